@@ -1,0 +1,5 @@
+import sys
+
+from tierguard.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Small pieces shared by every concern: user-facing errors and unit parsing."""

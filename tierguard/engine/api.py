@@ -1,0 +1,120 @@
+"""The contract between the engine and its front ends (HTTP server, gate, demo).
+
+The engine computes in its own thread; front ends live in an asyncio loop. This module
+holds only plain data and the protocols both sides agree on, so `tierguard/serve` can be
+written and tested against it without knowing how the engine schedules work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass
+class SamplingParams:
+    """What to generate. `top_k=None` and `seed=None` mean "not set" (no -1 sentinels)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass
+class RequestOutput:
+    """One increment of a request's output, as produced by one engine step.
+
+    `new_token_ids` may hold several tokens (the engine may flush more than one per
+    message); `text_delta` is their detokenized text with stop strings already cut.
+    The last increment has `finished=True` and a `finish_reason` of "stop", "length" or
+    "abort".
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class StepStats:
+    """What one engine step did; published to listeners after every step."""
+
+    step: int
+    started_at: float  # time.monotonic()
+    duration_s: float
+    num_prefill_seqs: int
+    num_prefill_tokens: int
+    num_decode_seqs: int
+    num_preempted: int = 0
+
+
+@dataclass
+class EngineStats:
+    """A snapshot for /metrics and /health; cheap to take at any time."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    prefix_cache_queries: int  # tokens looked up in the prefix cache
+    prefix_cache_hits: int  # tokens found there
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    extra: dict[str, float] = field(default_factory=dict)  # tier counters etc.
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+class Tokenizer(Protocol):
+    eos_token_id: int | None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
+
+
+class AsyncEngine(Protocol):
+    """What `tierguard serve` needs from an engine.
+
+    Invariants: `generate` yields at least one output and exactly one with
+    `finished=True`, which is the last. Cancelling the consumer (e.g. the client
+    disconnected) or calling `abort` frees the request's KV blocks.
+    """
+
+    model_name: str
+    max_model_len: int
+    tokenizer: Tokenizer
+
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_class: str = "interactive",
+    ) -> AsyncIterator[RequestOutput]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def add_step_listener(self, fn: Callable[[StepStats], None]) -> None: ...
+
+    async def start(self) -> None: ...
+
+    async def shutdown(self) -> None: ...
