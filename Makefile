@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(BIN)/tierguard demo $(DEMO_ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check tierguard tests bench
+	$(BIN)/ruff check .
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest
