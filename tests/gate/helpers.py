@@ -1,0 +1,103 @@
+"""Helpers for gate tests: a real gate subprocess in front of a real schedule server."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+
+class GateProcess:
+    """`tierguard gate` as a subprocess on an ephemeral port; a context manager."""
+
+    def __init__(self, upstream: str, *flags: str, jobs_dir: str | Path, log: str | Path | None = None) -> None:
+        self.args = [sys.executable, "-m", "tierguard.cli.main", "gate", "--upstream", upstream, "--port", "0",
+                     "--jobs-dir", str(jobs_dir), *flags]
+        if log is not None:
+            self.args += ["--log", str(log)]
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+        self.stderr_path = Path(jobs_dir).parent / f"gate-{time.monotonic_ns()}.err"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self, timeout_s: float = 20.0) -> GateProcess:
+        self._err = open(self.stderr_path, "w")  # noqa: SIM115
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=self._err, text=True,
+                                     env={**os.environ})
+        deadline = time.monotonic() + timeout_s
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if line.startswith("READY "):
+                self.port = int(line.split()[1])
+                return self
+            if not line and self.proc.poll() is not None:
+                break
+        self.stop()
+        raise RuntimeError(f"gate did not start: {self.stderr()}")
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text() if self.stderr_path.exists() else ""
+
+    def kill(self) -> None:
+        """SIGKILL: the crash case; nothing gets a chance to clean up."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if getattr(self, "_err", None):
+            self._err.close()
+
+    def __enter__(self) -> GateProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+async def get_json(session: aiohttp.ClientSession, url: str) -> tuple[int, dict]:
+    async with session.get(url) as r:
+        return r.status, await r.json(content_type=None)
+
+
+async def stream_request(session: aiohttp.ClientSession, url: str, body: dict,
+                         headers: dict | None = None) -> dict:
+    """One request; returns status, headers, ttft (s), e2e (s), number of chunks."""
+    t0 = time.monotonic()
+    out: dict = {"ttft": None, "chunks": 0}
+    async with session.post(url, json=body, headers=headers) as r:
+        out["status"], out["headers"] = r.status, dict(r.headers)
+        if r.status != 200 or not body.get("stream"):
+            out["body"] = await r.json(content_type=None)
+        else:
+            async for _ in r.content.iter_any():
+                if out["ttft"] is None:
+                    out["ttft"] = time.monotonic() - t0
+                out["chunks"] += 1
+    out["e2e"] = time.monotonic() - t0
+    return out
+
+
+def run(coro):
+    return asyncio.run(coro)

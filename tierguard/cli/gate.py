@@ -1,0 +1,116 @@
+"""`tierguard gate`: an admission-control proxy in front of any OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from tierguard.common.errors import TierguardError
+from tierguard.common.units import parse_bytes, parse_tokens
+
+
+def _arg(parse, what: str):
+    """Wrap a parser so argparse reports its TierguardError as a usage error (exit 2)."""
+
+    def convert(text: str):
+        try:
+            return parse(text, what)
+        except TierguardError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
+
+
+# flag -> (type, help). Every flag defaults to None so a config file value is kept
+# unless the flag is given: defaults < config file < flags.
+_POLICY_FLAGS = {
+    "max-concurrency": (int, "requests running upstream at once (default 64)"),
+    "long-threshold": (_arg(parse_tokens, "--long-threshold"), "input tokens that make a request long (default 8k)"),
+    "max-long": (int, "long requests running at once (default 4)"),
+    "max-queue": (int, "waiting requests per class (default 64)"),
+    "max-queue-wait-ms": (float, "longest wait for a slot; then 429 with Retry-After (default 2000)"),
+    "overflow": (str, "when a class queue is full: reject (429), downgrade (trim old chat turns), async (202)"),
+    "max-input-tokens": (_arg(parse_tokens, "--max-input-tokens"), "hard input cap; chat over it is trimmed, else 400"),
+}
+_GATE_FLAGS = {
+    "jobs-dir": (str, "directory of async jobs (default .tierguard/jobs)"),
+    "async-workers": (int, "async jobs running at once at most (default 4)"),
+    "connect-timeout-s": (float, "upstream connect timeout (default 3)"),
+    "first-byte-timeout-s": (float, "upstream time to first byte (default 60)"),
+    "read-timeout-s": (float, "longest upstream silence mid-stream (default 60)"),
+    "total-timeout-s": (float, "whole upstream request (default 600)"),
+    "body-timeout-s": (float, "a client must send its body within this (default 10)"),
+    "max-body-bytes": (_arg(parse_bytes, "--max-body-bytes"), "request body limit, e.g. 8MiB (413 above)"),
+    "upstream-pool": (int, "connections kept to the upstream (default 1024)"),
+}
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("gate", help="admission-control proxy: bounded queues, long-session limits, async jobs",
+                              description=__doc__)
+    p.add_argument("--upstream", help="base URL of the OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port to bind (default 8080; 0 picks a free one)")
+    p.add_argument("--config", help="TOML or YAML file with the same options as the flags (flags win)")
+    p.add_argument("--tokenizer", help="local directory with tokenizer.json (default: upstream /tokenize, else estimate)")
+    p.add_argument("--api-key", help="key clients must send as 'Authorization: Bearer KEY' (or TIERGUARD_API_KEY)")
+    p.add_argument("--api-key-file", help="file with one client key per line")
+    p.add_argument("--upstream-api-key", help="key sent to the upstream (or TIERGUARD_UPSTREAM_API_KEY)")
+    p.add_argument("--log", help="JSONL request log file")
+    p.add_argument("--log-prompts", action="store_true", default=None, help="include prompt text in the log")
+    for flag, (kind, text) in {**_POLICY_FLAGS, **_GATE_FLAGS}.items():
+        choices = ("reject", "downgrade", "async") if flag == "overflow" else None
+        p.add_argument("--" + flag, type=kind, help=text, choices=choices)
+    p.add_argument("--verbose", "-v", action="store_true", help="log every decision")
+    return p
+
+
+def resolve_options(args: argparse.Namespace) -> dict:
+    """Config file values overlaid by the flags that were given."""
+    from tierguard.gate.policy import load_config
+
+    options = load_config(args.config) if args.config else {}
+    for key in ("api_key", "upstream_api_key"):
+        if isinstance(options.get(key), str) and options[key]:
+            raise TierguardError(f"config file holds {key}; keep secrets out of config files "
+                                 f"(use --api-key-file or TIERGUARD_{key.upper()})")
+    for key in ("long_threshold", "max_input_tokens"):
+        if isinstance(options.get(key), str):
+            options[key] = parse_tokens(options[key], key)
+    if isinstance(options.get("max_body_bytes"), str):
+        options["max_body_bytes"] = parse_bytes(options["max_body_bytes"], "max_body_bytes")
+    for name in ("upstream", "host", "port", "tokenizer", "api_key", "api_key_file", "upstream_api_key", "log",
+                 "log_prompts", *(f.replace("-", "_") for f in {**_POLICY_FLAGS, **_GATE_FLAGS})):
+        value = getattr(args, name, None)
+        if value is not None:
+            options[name] = value
+    options.setdefault("api_key", os.environ.get("TIERGUARD_API_KEY") or None)
+    options.setdefault("upstream_api_key", os.environ.get("TIERGUARD_UPSTREAM_API_KEY") or None)
+    if not options.get("upstream"):
+        raise TierguardError("--upstream URL is required (or 'upstream' in the config file)")
+    return options
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from tierguard.gate.app import serve
+    from tierguard.gate.policy import build_settings
+
+    settings = build_settings(resolve_options(args))
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("tierguard.gate").setLevel(logging.INFO)  # start-up facts are always shown
+    if not args.verbose:
+        logging.getLogger("tierguard.gate").addFilter(lambda r: not r.getMessage().startswith("/v1/"))
+
+    def ready(port: int) -> None:
+        print(f"READY {port}", flush=True)
+
+    try:
+        asyncio.run(serve(settings, on_ready=ready))
+    except OSError as exc:
+        raise TierguardError(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror}") from None
+    return 0

@@ -1,0 +1,113 @@
+"""The gate's aiohttp application and its server loop.
+
+Routes: POST /v1/completions, /v1/chat/completions (and /v1/async/... for jobs),
+GET /v1/async/{id}, /v1/models, /health, /metrics. The application is built without
+starting a server so tests can mount it on an ephemeral port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable
+
+import aiohttp
+from aiohttp import web
+
+from tierguard.gate.forward import UpstreamError
+from tierguard.gate.http import auth_middleware, error_response
+from tierguard.gate.policy import GateSettings
+from tierguard.gate.proxy import completions
+from tierguard.gate.state import GateState
+
+log = logging.getLogger("tierguard.gate")
+
+
+async def job_status(request: web.Request) -> web.Response:
+    state: GateState = request.app["gate"]
+    job = state.jobs.load(request.match_info["job_id"])
+    if job is None:
+        return error_response(404, "no such async job")
+    return web.json_response(job.public())
+
+
+async def models(request: web.Request) -> web.Response:
+    state: GateState = request.app["gate"]
+    try:
+        async with asyncio.timeout(state.settings.first_byte_timeout_s):
+            async with state.session.get(state.settings.upstream + "/v1/models",
+                                         headers=state.upstream.headers) as resp:
+                return web.Response(body=await resp.read(), status=resp.status,
+                                    content_type="application/json")
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        err = UpstreamError(502, "unreachable", f"upstream /v1/models failed: {type(exc).__name__}")
+        return error_response(err.status, err.message, etype="upstream_error")
+
+
+async def health(request: web.Request) -> web.Response:
+    """Gate state plus one short probe of the upstream; 503 when the upstream is down."""
+    state: GateState = request.app["gate"]
+    upstream: dict = {"url": state.settings.upstream}
+    try:
+        async with asyncio.timeout(2.0):
+            async with state.session.get(state.settings.upstream + "/health", headers=state.upstream.headers) as r:
+                upstream.update(ok=r.status == 200, status=r.status)
+                if r.content_type == "application/json":
+                    upstream["health"] = await r.json()
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        upstream.update(ok=False, error=type(exc).__name__)
+    stats = state.controller.stats()
+    body = {"status": "ok" if upstream["ok"] else "upstream_down", "upstream": upstream,
+            "token_counter": state.counter.source, "queued": stats.queued, "in_flight": stats.in_flight,
+            "consecutive_upstream_failures": state.upstream_failures}
+    return web.json_response(body, status=200 if upstream["ok"] else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state: GateState = request.app["gate"]
+    return web.Response(body=state.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
+
+
+def build_app(settings: GateSettings) -> web.Application:
+    # The size limit is enforced by read_json with a clear message; this is a backstop.
+    app = web.Application(middlewares=[auth_middleware(settings.api_keys)],
+                          client_max_size=settings.max_body_bytes + 1024)
+
+    async def startup(app: web.Application) -> None:
+        app["gate"] = await GateState.create(settings)
+
+    async def cleanup(app: web.Application) -> None:
+        await app["gate"].close()
+
+    app.on_startup.append(startup)
+    app.on_cleanup.append(cleanup)
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/async/completions", "/v1/async/chat/completions"):
+        app.router.add_post(path, completions)
+    app.router.add_get("/v1/async/{job_id}", job_status)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+async def serve(settings: GateSettings, on_ready: Callable[[int], None] | None = None,
+                stop: asyncio.Event | None = None) -> None:
+    """Run until SIGINT/SIGTERM (or `stop` is set). Handlers are cancelled when a client
+    disconnects, which is what frees its slot and closes its upstream request."""
+    runner = web.AppRunner(build_app(settings), access_log=None, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port, backlog=4096)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    log.info("tierguard gate listening on http://%s:%d -> %s", settings.host, port, settings.upstream)
+    if on_ready is not None:
+        on_ready(port)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()

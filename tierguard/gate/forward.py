@@ -1,0 +1,154 @@
+"""Forwarding one admitted request to the upstream, streaming chunks through untouched.
+
+Why no SSE parsing: every parse on the hot path adds latency to every chunk of every
+stream. Chunks are written to the client as they arrive; the gate only counts
+`data:` events (one substring count) and reads `usage` with a regex when a chunk
+carries it. Timing: TTFT is arrival at the gate to the first chunk written; ITL is the
+gap between chunks written.
+
+Failures map to clear statuses before any byte is sent: upstream unreachable -> 502,
+no first byte within the timeout -> 504. After the stream started, a failure ends the
+stream with one SSE error event (the status line is already gone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+_USAGE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_PROMPT_USAGE = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+
+
+class UpstreamError(Exception):
+    def __init__(self, status: int, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+        self.message = message
+
+
+@dataclass
+class ForwardResult:
+    status: int
+    output_tokens: int | None = None
+    first_chunk_at: float | None = None  # time.monotonic() of the first byte sent to the client
+    ended_at: float = 0.0
+    client_left: bool = False
+    response: web.StreamResponse | None = None
+
+
+@dataclass
+class Upstream:
+    session: aiohttp.ClientSession
+    base_url: str
+    headers: dict[str, str]
+    first_byte_timeout_s: float
+
+    async def post(self, path: str, payload: bytes) -> aiohttp.ClientResponse:
+        """Send the request and wait for the response headers; raise UpstreamError on failure."""
+        try:
+            async with asyncio.timeout(self.first_byte_timeout_s):
+                return await self.session.post(self.base_url + path, data=payload, headers=self.headers)
+        except TimeoutError:
+            raise UpstreamError(504, "timeout", f"upstream sent no response within {self.first_byte_timeout_s:g} s") from None
+        except aiohttp.ClientConnectorError as exc:
+            raise UpstreamError(502, "unreachable", f"upstream {self.base_url} is unreachable: {exc.strerror or exc}") from None
+        except aiohttp.ClientError as exc:
+            raise UpstreamError(502, "error", f"upstream request failed: {type(exc).__name__}") from None
+
+    async def post_json(self, path: str, body: dict) -> tuple[int, dict]:
+        """A whole non-streaming exchange (async jobs)."""
+        resp = await self.post(path, json.dumps(body).encode())
+        try:
+            raw = await resp.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise UpstreamError(502, "error", f"upstream response cut off: {type(exc).__name__}") from None
+        finally:
+            resp.release()
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            data = {"error": {"message": raw[:500].decode(errors="replace")}}
+        return resp.status, data if isinstance(data, dict) else {"data": data}
+
+
+async def relay(request: web.Request, upstream: aiohttp.ClientResponse, extra_headers: dict[str, str],
+                first_byte_timeout_s: float, on_chunk_gap=None) -> ForwardResult:
+    """Copy the upstream response to the client; returns what the gate observed.
+
+    `on_chunk_gap(seconds)` is called for every inter-chunk gap (ITL histogram).
+    """
+    result = ForwardResult(status=upstream.status)
+    ctype = upstream.headers.get("Content-Type", "application/json")
+    try:
+        if upstream.status != 200 or "text/event-stream" not in ctype:
+            raw = await upstream.read()
+            result.first_chunk_at = time.monotonic()
+            m = _USAGE.search(raw)
+            result.output_tokens = int(m.group(1)) if m else None
+            resp = web.Response(body=raw, status=upstream.status, headers={"Content-Type": ctype, **extra_headers})
+            result.response = resp
+            result.ended_at = time.monotonic()
+            return result
+        resp = web.StreamResponse(status=200, headers={"Content-Type": ctype, "Cache-Control": "no-cache",
+                                                       **extra_headers})
+        result.response = resp
+        content = upstream.content
+        async with asyncio.timeout(first_byte_timeout_s):
+            first = await content.readany()
+        await resp.prepare(request)
+        events, usage = 0, None
+        last = time.monotonic()
+        chunk = first
+        while chunk:
+            await resp.write(chunk)
+            now = time.monotonic()
+            if result.first_chunk_at is None:
+                result.first_chunk_at = now
+            elif on_chunk_gap is not None:
+                on_chunk_gap(now - last)
+            last = now
+            events += chunk.count(b"data:")
+            if b'"usage"' in chunk:
+                m = _USAGE.search(chunk)
+                usage = int(m.group(1)) if m else usage
+            chunk = await content.readany()
+        if events:
+            # without usage, count content events: one per chunk minus [DONE]
+            result.output_tokens = usage if usage is not None else max(0, events - 1)
+        await resp.write_eof()
+    except TimeoutError:
+        result.status = 504
+        await _end_stream(result, "upstream stopped sending (timeout)")
+    except ConnectionResetError:  # aiohttp's write to a gone client raises a subclass of it
+        result.client_left = True
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+        result.status = 502
+        await _end_stream(result, f"upstream stream broke: {type(exc).__name__}")
+    finally:
+        if result.client_left or not upstream.content.is_eof():
+            upstream.close()  # cancelled or cut off: drop the connection so the engine stops generating
+        else:
+            upstream.release()
+        result.ended_at = time.monotonic()
+    return result
+
+
+async def _end_stream(result: ForwardResult, message: str) -> None:
+    """After headers went out the status cannot change: send one SSE error event."""
+    resp = result.response
+    if resp is None or not resp.prepared:
+        raise UpstreamError(result.status, "timeout" if result.status == 504 else "error", message)
+    body = {"error": {"message": message, "type": "upstream_error", "code": result.status}}
+    try:
+        await resp.write(f"data: {json.dumps(body)}\n\n".encode())
+        await resp.write_eof()
+    except (ConnectionResetError, aiohttp.ClientConnectionError):
+        result.client_left = True

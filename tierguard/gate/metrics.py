@@ -1,0 +1,56 @@
+"""Prometheus metrics of the gate: queue depth and in-flight per class, decisions by
+reason, queue wait, and TTFT/ITL/E2E as seen through the gate (R13: watch queue depth).
+
+Each gate owns its registry (tests run several gates in one process). Queue depth,
+in-flight and decision counts are read from the controller at scrape time, so the
+request path never pays for them.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from tierguard.gate.admission import AdmissionController
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
+
+
+class _ControllerCollector:
+    def __init__(self, controller: AdmissionController) -> None:
+        self.controller = controller
+
+    def collect(self):
+        s = self.controller.stats()
+        q = GaugeMetricFamily("tierguard_gate_queue_depth", "Requests waiting for a slot", labels=["class"])
+        f = GaugeMetricFamily("tierguard_gate_in_flight", "Requests holding a slot", labels=["class"])
+        for klass, n in s.queued.items():
+            q.add_metric([klass], n)
+        for klass, n in s.in_flight.items():
+            f.add_metric([klass], n)
+        d = CounterMetricFamily("tierguard_gate_decisions", "Admission decisions", labels=["decision", "reason"])
+        for (decision, reason), n in sorted(s.decisions.items()):
+            d.add_metric([decision, reason], n)
+        return [q, f, d]
+
+
+class GateMetrics:
+    def __init__(self, controller: AdmissionController) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_ControllerCollector(controller))
+        r = self.registry
+        self.queue_wait = Histogram("tierguard_gate_queue_wait_seconds", "Time a request waited for a slot",
+                                    ["class"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("tierguard_gate_ttft_seconds", "Arrival at the gate to first byte of output",
+                              ["class"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("tierguard_gate_itl_seconds", "Gap between streamed chunks through the gate",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("tierguard_gate_e2e_seconds", "Arrival at the gate to end of response",
+                             ["class"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.responses = Counter("tierguard_gate_responses", "Responses by HTTP status", ["status"], registry=r)
+        self.upstream_errors = Counter("tierguard_gate_upstream_errors", "Upstream failures by kind",
+                                       ["kind"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,172 @@
+"""Admission policy and gate settings: one dataclass, validated once at the edge.
+
+Why one place: the same options come from CLI flags, from a TOML/YAML config file and
+from `tierguard serve`; validating them here means an invalid value is refused at start
+with a message naming the option, never discovered under load.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from tierguard.common.errors import TierguardError
+
+OVERFLOW_ACTIONS = ("reject", "downgrade", "async")
+PRIORITIES = ("interactive", "batch")
+
+
+@dataclass
+class AdmissionPolicy:
+    """What the admission controller enforces.
+
+    Invariants after `validate()`: every limit is positive; `max_long <= max_concurrency` (clamped);
+    `overflow` is one of OVERFLOW_ACTIONS.
+    """
+
+    max_concurrency: int = 64  # requests running upstream at once, all classes together
+    long_threshold: int = 8192  # input tokens at or above this make a request "long"
+    max_long: int = 4  # long requests running at once
+    max_queue: int = 64  # waiting requests per class (async jobs are not counted)
+    max_queue_wait_ms: float = 2000.0  # a queued request never waits longer; then 429
+    overflow: str = "reject"  # what a full queue does: reject (429) | downgrade | async (202)
+    max_input_tokens: int | None = None  # hard cap on input; above it chat is trimmed, else 400
+    downgrade_reserve_tokens: int = 64  # headroom left below the limit after trimming
+
+    def validate(self) -> AdmissionPolicy:
+        for name in ("max_concurrency", "long_threshold", "max_long", "max_queue"):
+            _positive_int(getattr(self, name), name)
+        if not (isinstance(self.max_queue_wait_ms, (int, float)) and self.max_queue_wait_ms > 0
+                and math.isfinite(self.max_queue_wait_ms)):
+            raise TierguardError(f"max_queue_wait_ms must be a positive number, got {self.max_queue_wait_ms!r}")
+        # max_long above max_concurrency is harmless but meaningless: the total limit binds first
+        self.max_long = min(self.max_long, self.max_concurrency)
+        if self.overflow not in OVERFLOW_ACTIONS:
+            raise TierguardError(f"overflow must be one of {', '.join(OVERFLOW_ACTIONS)}, got {self.overflow!r}")
+        if self.max_input_tokens is not None:
+            _positive_int(self.max_input_tokens, "max_input_tokens")
+        if not isinstance(self.downgrade_reserve_tokens, int) or self.downgrade_reserve_tokens < 0:
+            raise TierguardError("downgrade_reserve_tokens must be a whole number >= 0")
+        return self
+
+
+@dataclass
+class GateSettings:
+    """Everything `tierguard gate` needs beyond the admission policy."""
+
+    upstream: str = ""
+    host: str = "127.0.0.1"
+    port: int = 8080
+    tokenizer: str | None = None  # local directory holding tokenizer.json
+    api_keys: list[str] = field(default_factory=list, repr=False)  # never printed
+    upstream_api_key: str | None = field(default=None, repr=False)
+    log: str | None = None  # JSONL request log
+    log_prompts: bool = False  # prompt text stays out of the log unless asked for
+    jobs_dir: str = ".tierguard/jobs"
+    async_workers: int = 4
+    connect_timeout_s: float = 3.0
+    first_byte_timeout_s: float = 60.0
+    read_timeout_s: float = 60.0  # longest silence from the upstream mid-stream
+    total_timeout_s: float = 600.0
+    body_timeout_s: float = 10.0  # a client must send its whole body within this
+    max_body_bytes: int = 8 * 1024 * 1024
+    upstream_pool: int = 1024  # connections kept to the upstream
+    policy: AdmissionPolicy = field(default_factory=AdmissionPolicy)
+
+    def validate(self) -> GateSettings:
+        if not self.upstream.startswith(("http://", "https://")):
+            raise TierguardError(f"--upstream must be an http(s) URL, got {self.upstream!r}")
+        self.upstream = self.upstream.rstrip("/")
+        if self.upstream.endswith("/v1"):
+            self.upstream = self.upstream[:-3]
+        if not (0 <= int(self.port) <= 65535):
+            raise TierguardError(f"port must be in 0..65535, got {self.port}")
+        for name in ("connect_timeout_s", "first_byte_timeout_s", "read_timeout_s", "total_timeout_s",
+                     "body_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
+                raise TierguardError(f"{name} must be a positive number of seconds, got {value!r}")
+        for name in ("max_body_bytes", "async_workers", "upstream_pool"):
+            _positive_int(getattr(self, name), name)
+        if self.tokenizer is not None and not (Path(self.tokenizer) / "tokenizer.json").is_file():
+            raise TierguardError(f"--tokenizer {self.tokenizer!r}: no tokenizer.json in that directory")
+        if any(not k for k in self.api_keys):
+            raise TierguardError("an API key is empty")
+        self.policy.validate()
+        return self
+
+
+def _positive_int(value: object, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise TierguardError(f"{name} must be a positive whole number, got {value!r}")
+
+
+POLICY_KEYS = {f.name for f in fields(AdmissionPolicy)}
+SETTINGS_KEYS = {f.name for f in fields(GateSettings)} - {"policy", "api_keys"} | {"api_key", "api_key_file"}
+
+
+def load_config(path: str) -> dict:
+    """Read a TOML or YAML file into a flat {option: value} dict with underscore keys.
+
+    Unknown keys are refused so a typo never silently keeps a default.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise TierguardError(f"config file {path!r} not found")
+    text = p.read_text(encoding="utf-8")
+    try:
+        if p.suffix.lower() == ".toml":
+            try:
+                import tomllib
+            except ImportError:  # Python 3.10
+                raise TierguardError("TOML config files need Python 3.11+; use a .yaml file") from None
+
+            data = tomllib.loads(text)
+        elif p.suffix.lower() in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        else:
+            raise TierguardError(f"config file {path!r}: use a .toml, .yaml or .yml file")
+    except TierguardError:
+        raise
+    except Exception as exc:  # parser errors differ per format; report them uniformly
+        raise TierguardError(f"config file {path!r} is not valid: {exc}") from None
+    if not isinstance(data, dict):
+        raise TierguardError(f"config file {path!r} must hold a table of options")
+    flat: dict = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and key in ("policy", "gate"):  # optional [policy]/[gate] sections
+            for k, v in value.items():
+                flat[str(k).replace("-", "_")] = v
+        else:
+            flat[str(key).replace("-", "_")] = value
+    unknown = sorted(set(flat) - POLICY_KEYS - SETTINGS_KEYS)
+    if unknown:
+        raise TierguardError(f"config file {path!r}: unknown option(s) {', '.join(unknown)}")
+    return flat
+
+
+def build_settings(options: dict) -> GateSettings:
+    """Merge resolved options (config overlaid by flags) into validated settings."""
+    opts = {k: v for k, v in options.items() if v is not None}
+    policy = AdmissionPolicy(**{k: opts[k] for k in POLICY_KEYS if k in opts})
+    keys: list[str] = []
+    if "api_key" in opts:
+        keys.append(str(opts["api_key"]))
+    if "api_key_file" in opts:
+        keys.extend(_read_keys(str(opts["api_key_file"])))
+    plain = {k: opts[k] for k in SETTINGS_KEYS - {"api_key", "api_key_file"} if k in opts}
+    return GateSettings(**plain, api_keys=keys, policy=policy).validate()
+
+
+def _read_keys(path: str) -> list[str]:
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise TierguardError(f"cannot read API key file {path!r}: {exc.strerror}") from None
+    keys = [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+    if not keys:
+        raise TierguardError(f"API key file {path!r} holds no key")
+    return keys

@@ -1,0 +1,148 @@
+"""The completion handlers of the gate: read, count, admit, forward, log.
+
+Order matters for reliability: the body is read (size limit, read timeout) and parsed
+BEFORE admission, so a slow or broken client never holds a slot; the slot is released
+in `finally`, so an error or a client disconnect (aiohttp cancels the handler) frees it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from aiohttp import web
+
+from tierguard.gate.admission import Downgrade, HandOff, Rejected, RequestInfo
+from tierguard.gate.forward import UpstreamError, relay
+from tierguard.gate.http import error_response, read_json
+from tierguard.gate.reqlog import RequestRecord
+from tierguard.gate.state import GateState
+from tierguard.gate.trim import can_trim, trim_messages
+
+PRIORITY_HEADER = "X-Tierguard-Priority"
+ASYNC_HEADER = "X-Tierguard-Async"
+ASYNC_FLAG = "tierguard_async"  # body field; removed before forwarding
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state: GateState = request.app["gate"]
+    arrived = time.monotonic()
+    path = request.path
+    as_async = path.startswith("/v1/async/")
+    route = path.replace("/v1/async/", "/v1/", 1)
+    chat = route.endswith("/chat/completions")
+    rec = RequestRecord(route=route)
+    try:
+        body = await read_json(request, state.settings.max_body_bytes, state.settings.body_timeout_s)
+        if chat and not (isinstance(body.get("messages"), list) and body["messages"]):
+            return _done(state, rec, arrived, error_response(400, "'messages' must be a non-empty list"), "bad_request")
+        if not chat and "prompt" not in body:
+            return _done(state, rec, arrived, error_response(400, "'prompt' is required"), "bad_request")
+        as_async = as_async or bool(body.pop(ASYNC_FLAG, False)) or request.headers.get(ASYNC_HEADER) == "1"
+        rec.model = str(body.get("model")) if body.get("model") is not None else None
+        rec.stream = bool(body.get("stream"))
+        if state.reqlog.log_prompts:
+            rec.prompt = json.dumps(body.get("messages") if chat else body.get("prompt"))[:10_000]
+        priority = request.headers.get(PRIORITY_HEADER, "interactive").lower()
+        if priority not in ("interactive", "batch"):
+            return _done(state, rec, arrived, error_response(
+                400, f"{PRIORITY_HEADER} must be 'interactive' or 'batch'"), "bad_request")
+        n = await state.counter.count_body(body, chat)
+        rec.input_tokens = n
+        if as_async:
+            return _done(state, rec, arrived, _hand_off(state, route, body, n, rec, "requested"), "requested", "async")
+        info = RequestInfo(input_tokens=n, priority=priority, can_downgrade=chat and can_trim(body.get("messages")))
+        rec.klass = state.controller.classify(info)
+        ticket = None
+        while ticket is None:
+            try:
+                ticket = await state.controller.acquire(info)
+            except Downgrade as d:
+                trimmed = await trim_messages(body["messages"], d.max_input_tokens, state.counter)
+                if not trimmed.fits:
+                    state.controller.record("reject", "downgrade_impossible")
+                    return _done(state, rec, arrived, error_response(
+                        429, d.message + "; the turns that must stay are still too long", retry_after_s=5),
+                        "downgrade_impossible", "reject")
+                body["messages"] = trimmed.messages
+                rec.downgraded_from, rec.reason, rec.decision = n, d.reason, "downgrade"
+                info = RequestInfo(input_tokens=trimmed.tokens, priority=priority, downgraded=True)
+                rec.input_tokens = trimmed.tokens
+                rec.klass = state.controller.classify(info)
+            except HandOff as h:
+                return _done(state, rec, arrived, _hand_off(state, route, body, n, rec, h.reason), h.reason, "async")
+            except Rejected as r:
+                return _done(state, rec, arrived, error_response(
+                    r.status, r.message, etype="rate_limit_exceeded" if r.status == 429 else "invalid_request_error",
+                    retry_after_s=r.retry_after_s), r.reason, "reject")
+        rec.queue_wait_ms = round(ticket.queue_wait_s * 1000, 3)
+        state.metrics.queue_wait.labels(ticket.klass).observe(ticket.queue_wait_s)
+        try:
+            return await _forward(state, request, route, body, rec, arrived, ticket)
+        finally:
+            state.controller.release(ticket)
+    except web.HTTPException as exc:  # body errors raised by read_json: 400/408/413
+        return _done(state, rec, arrived, error_response(exc.status, exc.text or exc.reason), "bad_request")
+    except asyncio.CancelledError:
+        rec.status, rec.reason = 499, rec.reason or "client_disconnected"
+        _log(state, rec, arrived)
+        raise
+
+
+async def _forward(state: GateState, request: web.Request, route: str, body: dict, rec: RequestRecord,
+                   arrived: float, ticket) -> web.StreamResponse:
+    headers = {"X-Tierguard-Class": ticket.klass, "X-Tierguard-Queue-Ms": f"{ticket.queue_wait_s * 1000:.1f}"}
+    if rec.downgraded_from is not None:
+        headers["X-Tierguard-Downgraded"] = f"{rec.downgraded_from}->{rec.input_tokens}"
+    try:
+        upstream = await state.upstream.post(route, json.dumps(body).encode())
+        result = await relay(request, upstream, headers, state.settings.first_byte_timeout_s,
+                             on_chunk_gap=state.metrics.itl.observe)
+    except UpstreamError as exc:
+        state.metrics.upstream_errors.labels(exc.kind).inc()
+        state.upstream_failures += 1
+        return _done(state, rec, arrived, error_response(exc.status, exc.message, etype="upstream_error"),
+                     rec.reason or f"upstream_{exc.kind}")
+    if result.status >= 500:  # forwarded as is (the body explains it), but counted
+        state.metrics.upstream_errors.labels(f"status_{result.status}").inc()
+        state.upstream_failures += 1
+    else:
+        state.upstream_failures = 0
+    rec.status, rec.output_tokens = result.status, result.output_tokens
+    if result.first_chunk_at is not None:
+        rec.ttft_ms = round((result.first_chunk_at - arrived) * 1000, 3)
+        state.metrics.ttft.labels(ticket.klass).observe(result.first_chunk_at - arrived)
+    if result.client_left:
+        rec.status, rec.reason = 499, "client_disconnected"
+    rec.reason = rec.reason or "admitted"
+    state.metrics.e2e.labels(ticket.klass).observe(result.ended_at - arrived)
+    _log(state, rec, arrived)
+    return result.response
+
+
+def _hand_off(state: GateState, route: str, body: dict, n: int, rec: RequestRecord, reason: str) -> web.Response:
+    body.pop("stream", None)
+    body.pop("stream_options", None)  # a job stores one whole answer
+    job = state.jobs.create(route, body, n)
+    state.runner.submit(job)
+    rec.job_id = job.id
+    data = {**job.public(), "url": f"/v1/async/{job.id}", "reason": reason}
+    return web.json_response(data, status=202, headers={"Location": f"/v1/async/{job.id}"})
+
+
+def _done(state: GateState, rec: RequestRecord, arrived: float, resp: web.Response, reason: str,
+          decision: str | None = None) -> web.Response:
+    rec.status, rec.reason = resp.status, reason
+    if decision is not None:
+        rec.decision = decision
+    elif resp.status >= 400:
+        rec.decision = "error"
+    _log(state, rec, arrived)
+    return resp
+
+
+def _log(state: GateState, rec: RequestRecord, arrived: float) -> None:
+    rec.e2e_ms = round((time.monotonic() - arrived) * 1000, 3)
+    state.metrics.responses.labels(str(rec.status)).inc()
+    state.reqlog.write(rec)
