@@ -1,0 +1,171 @@
+"""The cold contract as policy: request classes, staging deadlines and what to do on a miss.
+
+Disk staging happens only when a stage of work begins (admission, or the start of a new
+turn of a saved session). Its deadline is a share of the request class's TTFT budget,
+leaving the rest for the prefill of the uncached tail and the first token:
+
+    arrival ----- staging (staging_share x budget) ----|---- prefill + first token ----| budget
+
+When staging misses its deadline (or a block fails to arrive):
+- interactive: recompute the prefix now, unless recomputing is itself estimated to blow
+  the budget several times over and the request allows it, in which case the request is
+  moved to the asynchronous (batch) path;
+- batch: keep waiting for the staged blocks; batch tolerates delay and recomputing would
+  steal compute from interactive work.
+Every decision is counted per class and action and logged with its reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from tierguard.common.errors import TierguardError
+
+log = logging.getLogger("tierguard.kv.contract")
+
+INTERACTIVE = "interactive"
+BATCH = "batch"
+REQUEST_CLASSES = (INTERACTIVE, BATCH)
+DEFAULT_TTFT_BUDGET_MS = {INTERACTIVE: 1000.0, BATCH: 30000.0}
+CLASS_HEADER = "x-tierguard-class"
+
+# OpenAI's `service_tier` values and common `priority` spellings mapped to our classes.
+_ALIASES = {
+    "interactive": INTERACTIVE,
+    "default": INTERACTIVE,
+    "auto": INTERACTIVE,
+    "priority": INTERACTIVE,
+    "high": INTERACTIVE,
+    "realtime": INTERACTIVE,
+    "batch": BATCH,
+    "flex": BATCH,
+    "low": BATCH,
+    "background": BATCH,
+    "async": BATCH,
+}
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str  # "recompute" | "wait" | "async"
+    reason: str
+
+
+def parse_ttft_budgets(text: str) -> dict[str, float]:
+    """Parse `--ttft-budget-ms`: "800" (interactive only) or "interactive=800,batch=20000"."""
+    budgets = dict(DEFAULT_TTFT_BUDGET_MS)
+    for part in (p.strip() for p in str(text).split(",") if p.strip()):
+        name, sep, value = part.rpartition("=")
+        name = name.strip().lower() if sep else INTERACTIVE
+        if name not in REQUEST_CLASSES:
+            raise TierguardError(
+                f"--ttft-budget-ms: unknown request class {name!r}; expected {REQUEST_CLASSES}"
+            )
+        try:
+            ms = float(value)
+        except ValueError:
+            raise TierguardError(f"--ttft-budget-ms: {value!r} is not a number of milliseconds") from None
+        if ms <= 0:
+            raise TierguardError(f"--ttft-budget-ms: budget for {name} must be positive, got {ms}")
+        budgets[name] = ms
+    return budgets
+
+
+def classify_request(body: Mapping[str, object] | None, headers: Mapping[str, str] | None = None) -> str:
+    """Request class from the header, else the body's `priority` or `service_tier` field.
+
+    Unknown or missing values mean interactive: an unlabelled request is treated as if a
+    person is waiting for it. Integer priorities follow vLLM: lower is more urgent, so a
+    positive priority is batch.
+    """
+    if headers:
+        for key, value in headers.items():
+            if key.lower() == CLASS_HEADER and str(value).lower() in _ALIASES:
+                return _ALIASES[str(value).lower()]
+    body = body or {}
+    for field in ("priority", "service_tier"):
+        value = body.get(field)
+        if isinstance(value, bool) or value is None:
+            continue
+        if isinstance(value, int | float):
+            return BATCH if value > 0 else INTERACTIVE
+        if str(value).lower() in _ALIASES:
+            return _ALIASES[str(value).lower()]
+    return INTERACTIVE
+
+
+class ColdContract:
+    """Deadlines and miss decisions per request class; counts every decision."""
+
+    def __init__(
+        self,
+        ttft_budget_ms: Mapping[str, float] | None = None,
+        staging_share: float = 0.5,
+        async_factor: float = 4.0,
+    ) -> None:
+        if not 0 < staging_share < 1:
+            raise TierguardError(f"staging share must be in (0, 1), got {staging_share}")
+        self.budgets = dict(DEFAULT_TTFT_BUDGET_MS)
+        self.budgets.update(ttft_budget_ms or {})
+        self.staging_share = staging_share
+        self.async_factor = async_factor
+        self._lock = threading.Lock()
+        self.decisions: Counter[tuple[str, str]] = Counter()
+        self.deadline_misses: Counter[str] = Counter()
+
+    def _budget_ms(self, request_class: str) -> float:
+        if request_class not in self.budgets:
+            raise ValueError(f"unknown request class {request_class!r}")
+        return self.budgets[request_class]
+
+    def staging_deadline(self, request_class: str, started_at: float) -> float:
+        """Monotonic time by which staged blocks must be on the device."""
+        return started_at + self._budget_ms(request_class) * self.staging_share / 1000.0
+
+    def decide_on_miss(
+        self,
+        request_class: str,
+        staged_in_time: bool,
+        recompute_ms: float | None = None,
+        allow_async: bool = False,
+    ) -> Decision:
+        """Choose between waiting for staged blocks, recomputing them, or going async.
+
+        `staged_in_time`: the blocks arrived (or will, by the deadline). `recompute_ms`: an
+        estimate of the prefill time of the missing prefix, when the caller has one.
+        """
+        budget = self._budget_ms(request_class)
+        if staged_in_time:
+            decision = Decision("wait", "staged within the deadline")
+        elif request_class == BATCH:
+            decision = Decision("wait", "staging missed its deadline; batch tolerates delayed restore")
+        elif allow_async and recompute_ms is not None and recompute_ms > self.async_factor * budget:
+            decision = Decision(
+                "async",
+                f"staging missed its deadline and recompute (~{recompute_ms:.0f} ms) exceeds "
+                f"{self.async_factor:g}x the {budget:.0f} ms TTFT budget",
+            )
+        else:
+            decision = Decision(
+                "recompute", f"staging missed its deadline within a {budget:.0f} ms TTFT budget"
+            )
+        with self._lock:
+            self.decisions[(request_class, decision.action)] += 1
+            if not staged_in_time:
+                self.deadline_misses[request_class] += 1
+        log.info(
+            "cold contract: class=%s action=%s reason=%s", request_class, decision.action, decision.reason
+        )
+        return decision
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            out = {f"kv_contract_{cls}_{action}": float(n) for (cls, action), n in self.decisions.items()}
+            out.update(
+                {f"kv_staging_deadline_misses_{cls}": float(n) for cls, n in self.deadline_misses.items()}
+            )
+        return out

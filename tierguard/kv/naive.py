@@ -1,0 +1,60 @@
+"""`--kv-naive-sync-disk`: the failure mode the contract exists to prevent, for benchmarks only.
+
+NVMe used as an extension of VRAM: when the device pool runs short, blocks of *running*
+sequences are written to the disk tier, and read back synchronously inside the step that
+needs them. Every call here blocks the calling (engine) thread on disk I/O. The disk tier
+must be built with `allow_reads_in_decode=True`; each such read is counted in its
+`reads_in_decode`, and the stall time is counted here, so a benchmark can put the cost
+next to the contract's numbers.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tierguard.kv.disk_tier import DiskTier
+from tierguard.kv.spec import DevicePool
+
+
+@dataclass
+class NaiveCounters:
+    spills: int = 0
+    restores: int = 0
+    restore_misses: int = 0
+    stall_s: float = 0.0  # time the engine thread spent blocked in here
+
+
+class NaiveSyncDisk:
+    def __init__(self, pool: DevicePool, disk: DiskTier) -> None:
+        if not disk.allow_reads_in_decode:
+            raise ValueError("naive sync disk mode needs a disk tier built with allow_reads_in_decode=True")
+        self.pool = pool
+        self.disk = disk
+        self._bounce = torch.empty(pool.block_bytes, dtype=torch.uint8)
+        self.counters = NaiveCounters()
+
+    def spill(self, block_hash: int, device_block: int) -> bool:
+        """Copy one device block to disk now (blocking); False if the disk refused it."""
+        t0 = time.perf_counter()
+        for tensor, view in zip(self.pool.tensors, self.pool.payload_views(self._bounce), strict=True):
+            view.copy_(tensor[:, :, device_block])  # synchronous on CUDA too: that is the point
+        ok = self.disk.write(block_hash, self._bounce)
+        self.counters.spills += 1
+        self.counters.stall_s += time.perf_counter() - t0
+        return ok
+
+    def restore(self, block_hash: int, device_block: int) -> bool:
+        """Read one block from disk into the device pool now (blocking); False on a miss."""
+        t0 = time.perf_counter()
+        ok = self.disk.read_into(block_hash, self._bounce)
+        if ok:
+            for tensor, view in zip(self.pool.tensors, self.pool.payload_views(self._bounce), strict=True):
+                tensor[:, :, device_block].copy_(view)
+            self.counters.restores += 1
+        else:
+            self.counters.restore_misses += 1
+        self.counters.stall_s += time.perf_counter() - t0
+        return ok
