@@ -1,0 +1,70 @@
+"""`tierguard demo`: the main job - find where each KV setup of `tierguard serve` stops
+meeting its p99 SLOs, on this machine, and say what to do about it.
+
+Builds the tiny model if needed, sweeps the demo matrix (tierguard/sweep/data/demo.yaml)
+over scaled-down slices, prints the boundary table and a recommendation, and writes the
+report to --output-dir. Interrupted? Run the same command again: it resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+from tierguard.common.errors import TierguardError
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "demo",
+        help="run the demo sweep on the tiny model and write its report",
+        description=__doc__.splitlines()[0],
+    )
+    p.add_argument(
+        "--output-dir", default="tierguard-demo", help="where the report goes (default: ./tierguard-demo)"
+    )
+    p.add_argument("--quick", action="store_true", help="a ~2-minute version: one context, short ladder")
+    p.add_argument("--fresh", action="store_true", help="discard an earlier demo run in --output-dir")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from tierguard.cli.report import print_boundary
+    from tierguard.cli.sweep import run_sweep
+    from tierguard.report import write_report
+    from tierguard.sweep.demo import build_demo_matrix
+
+    console = Console()
+    out = Path(args.output_dir)
+    if out.exists() and not out.is_dir():
+        raise TierguardError(f"--output-dir {str(out)!r} exists and is not a directory")
+    run_dir = out / ("run-quick" if args.quick else "run")
+    if args.fresh and run_dir.exists():
+        shutil.rmtree(run_dir)
+
+    with console.status("building the tiny model (first run only)..."):
+        from tierguard.model.tiny import ensure_tiny_model
+
+        model_dir = ensure_tiny_model()
+    console.print(f"model: {model_dir}")
+
+    demo = build_demo_matrix(quick=args.quick)
+    # Prompts are built with the model's own tokenizer so context lengths are exact.
+    demo.matrix.profile.tokenizer = str(model_dir)
+    for name, missing in demo.skipped.items():
+        console.print(
+            f"[yellow]skipping variant {name}[/yellow]: this `tierguard serve` has no {', '.join(missing)}"
+        )
+    console.print(
+        f"variants: {', '.join(v.name for v in demo.matrix.variants)}; "
+        f"contexts {demo.matrix.profile.context_lengths}; ladder {demo.matrix.slices.ladder}"
+    )
+    code = run_sweep(demo.matrix, run_dir, matrix_text=None, report=False, show=False)
+    files = write_report(run_dir, out)
+    console.rule("Recommendation")
+    print_boundary(run_dir, files.recommendations)
+    console.print(f"report: {files.html}")
+    return code
