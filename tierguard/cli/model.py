@@ -1,0 +1,56 @@
+"""`tierguard model create-tiny DIR`: write a random-weight Llama model + tokenizer."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("model", help="create the tiny random-weight model used by demos and tests")
+    sub = p.add_subparsers(dest="model_command", metavar="ACTION")
+    c = sub.add_parser(
+        "create-tiny", help="write a random-weight HF model directory (deterministic under --seed)"
+    )
+    c.add_argument("dir", help="output directory (created if missing)")
+    c.add_argument("--layers", type=int, default=4)
+    c.add_argument("--hidden", type=int, default=256)
+    c.add_argument("--heads", type=int, default=8)
+    c.add_argument("--kv-heads", type=int, default=2)
+    c.add_argument("--vocab", type=int, default=4096)
+    c.add_argument("--max-position-embeddings", type=int, default=8192)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--arch", choices=["llama", "mistral", "qwen2", "qwen3"], default="llama")
+    c.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    c.add_argument("--tie-word-embeddings", action="store_true")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from tierguard.common.errors import TierguardError
+
+    if getattr(args, "model_command", None) != "create-tiny":
+        raise TierguardError("usage: tierguard model create-tiny DIR [--layers N --hidden N ...]")
+    from tierguard.model.tiny import create_tiny
+
+    path = create_tiny(
+        args.dir,
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        vocab=args.vocab,
+        max_position_embeddings=args.max_position_embeddings,
+        seed=args.seed,
+        arch=args.arch,
+        dtype=args.dtype,
+        tie_word_embeddings=args.tie_word_embeddings,
+    )
+    cfg = json.loads((path / "config.json").read_text())
+    params = sum(p.stat().st_size for p in path.glob("*.safetensors"))
+    print(
+        f"wrote {path}: {cfg['architectures'][0]}, {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, "
+        f"{cfg['num_attention_heads']} heads / {cfg['num_key_value_heads']} kv heads, vocab {cfg['vocab_size']}, "
+        f"max_position_embeddings {cfg['max_position_embeddings']}, weights {params / 2**20:.1f} MiB ({cfg['torch_dtype']})"
+    )
+    return 0

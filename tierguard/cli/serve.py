@@ -1,0 +1,145 @@
+"""`tierguard serve`: our engine behind an OpenAI-compatible HTTP API.
+
+Prints exactly one line on stdout when it accepts connections (scripts and tests wait
+for it and read the bound port from it, so `--port 0` works); SIGTERM or SIGINT stops
+accepting, aborts what is in flight and shuts the engine down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from tierguard.common.errors import TierguardError
+
+READY_PREFIX = "tierguard serve: ready on "
+# On SIGTERM in-flight requests get this long to finish; then their handlers are
+# cancelled, which aborts them in the engine.
+SHUTDOWN_GRACE_S = 10.0
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API", description=__doc__.splitlines()[0]
+    )
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="local Hugging Face model directory, or 'tiny' for the built-in random tiny model",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one")
+    p.add_argument(
+        "--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 and tokenizer routes"
+    )
+    p.add_argument(
+        "--served-model-name", default=None, help="model id clients send (default: the model's name)"
+    )
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument(
+        "--kv-cache-gib", type=float, default=None, help="KV cache budget (default: engine's choice)"
+    )
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in one step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="most tokens in one step")
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def _validate(args: argparse.Namespace) -> None:
+    if not 0 <= args.port <= 65535:
+        raise TierguardError(f"--port must be 0..65535, got {args.port}")
+    for flag in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise TierguardError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    if args.kv_cache_gib is not None and args.kv_cache_gib <= 0:
+        raise TierguardError(f"--kv-cache-gib must be positive, got {args.kv_cache_gib}")
+    if args.model != "tiny" and not Path(args.model).is_dir():
+        raise TierguardError(
+            f"--model {args.model!r} is not a directory (use a local HF model dir or 'tiny')"
+        )
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    kwargs: dict = {
+        "dtype": args.dtype,
+        "device": args.device,
+        "kv_cache_gib": args.kv_cache_gib,
+        "block_size": args.block_size,
+        "max_model_len": args.max_model_len,
+        "enable_prefix_caching": not args.no_prefix_caching,
+    }
+    # Leave unset limits to the engine's defaults rather than guessing them here.
+    if args.max_num_seqs is not None:
+        kwargs["max_num_seqs"] = args.max_num_seqs
+    if args.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    return kwargs
+
+
+def run(args: argparse.Namespace) -> int:
+    _validate(args)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from tierguard.engine.async_engine import AsyncLLMEngine
+
+    if args.model == "tiny":
+        from tierguard.model.tiny import ensure_tiny_model
+
+        model_dir = ensure_tiny_model()
+        model_name = args.served_model_name or "tiny"
+    else:
+        model_dir = Path(args.model)
+        model_name = args.served_model_name or model_dir.resolve().name
+    engine = AsyncLLMEngine.from_model_dir(model_dir, model_name=model_name, **_engine_kwargs(args))
+    return asyncio.run(_serve(engine, args, model_name))
+
+
+async def _serve(engine, args: argparse.Namespace, model_name: str) -> int:
+    from aiohttp import web
+
+    from tierguard.serve.app import create_app
+
+    app = create_app(engine, api_key=args.api_key, served_model_name=model_name)
+    # handler_cancellation: a client that hangs up cancels its handler, whose `finally`
+    # aborts the engine request, so even non-streaming requests free their blocks.
+    runner = web.AppRunner(
+        app,
+        handle_signals=False,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=SHUTDOWN_GRACE_S,
+    )
+    await runner.setup()  # starts the engine (app.on_startup)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        site = web.TCPSite(runner, args.host, args.port)
+        try:
+            await site.start()
+        except OSError as exc:
+            raise TierguardError(f"cannot bind {args.host}:{args.port}: {exc.strerror or exc}") from exc
+        port = runner.addresses[0][1] if runner.addresses else args.port
+        print(
+            f"{READY_PREFIX}http://{args.host}:{port} (model {model_name}, "
+            f"max_model_len {engine.max_model_len}, kv blocks {engine.stats().kv_blocks_total})",
+            flush=True,
+        )
+        await stop.wait()
+        print("tierguard serve: shutting down", file=sys.stderr, flush=True)
+    finally:
+        # Closes listeners, cancels in-flight handlers (each aborts its request), then
+        # runs on_cleanup, which shuts the engine down.
+        await runner.cleanup()
+    return 0

@@ -1,0 +1,215 @@
+"""AsyncLLMEngine: the engine loop in a background thread, outputs delivered to asyncio.
+
+The thread owns the LLMEngine exclusively; the asyncio side talks to it only through a
+command queue (add / abort), and the thread hands outputs back with
+`loop.call_soon_threadsafe` to the loop each request was made from (so one engine can
+outlive an event loop, e.g. across `asyncio.run` calls in tests). `generate` yields exactly one finished output, last; if its
+consumer is cancelled (client gone), the request is aborted and its blocks freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+from tierguard.common.errors import TierguardError
+from tierguard.engine.api import EngineStats, RequestOutput, SamplingParams, StepStats
+from tierguard.engine.llm_engine import LLMEngine
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread failed; in-flight requests get this exception."""
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.model_name = engine.model_name
+        self.max_model_len = engine.config.max_model_len
+        self.tokenizer = engine.tokenizer
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        # request id -> (the loop its consumer runs on, its output queue)
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._stats = engine.stats()  # refreshed by the engine thread after every step
+        self._error: BaseException | None = None
+
+    @classmethod
+    def from_model_dir(
+        cls,
+        model_dir: str | Path,
+        *,
+        dtype: str = "auto",
+        device: str = "auto",
+        kv_cache_gib: float | None = None,
+        kv_cache_fraction: float | None = None,
+        block_size: int = 16,
+        max_num_seqs: int = 128,
+        max_num_batched_tokens: int | None = None,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        model_name: str | None = None,
+        num_threads: int | None = None,
+    ) -> AsyncLLMEngine:
+        """Load a local HF model directory; see tierguard/engine/factory.py for the KV budget."""
+        from tierguard.engine.factory import build_engine
+
+        return cls(
+            build_engine(
+                model_dir,
+                dtype=dtype,
+                device=device,
+                kv_cache_gib=kv_cache_gib,
+                kv_cache_fraction=kv_cache_fraction,
+                block_size=block_size,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+                enable_prefix_caching=enable_prefix_caching,
+                model_name=model_name,
+                num_threads=num_threads,
+            )
+        )
+
+    # -- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._run, name="tierguard-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        if self._thread is None:
+            return
+        self._stopping.set()
+        self._commands.put(("wake", None, None))
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+
+    # -- requests -------------------------------------------------------------------------
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_class: str = "interactive",
+    ) -> AsyncIterator[RequestOutput]:
+        if self._thread is None:
+            await self.start()
+        if self._error is not None:
+            raise EngineDeadError(f"engine stopped after an error: {self._error}")
+        if request_id in self._queues:
+            raise TierguardError(f"request id {request_id!r} is already in flight")
+        self.engine.validate(prompt_token_ids, params)  # reads config only; safe from this thread
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = (asyncio.get_running_loop(), q)
+        self._commands.put(("add", request_id, (list(prompt_token_ids), params, request_class)))
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self._commands.put(("abort", request_id, None))
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id, None))
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def add_step_listener(self, fn: Callable[[StepStats], None]) -> None:
+        """`fn` runs on the engine thread after every step; keep it cheap and thread-safe."""
+        self.engine.add_step_listener(fn)
+
+    # -- engine thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stopping.is_set():
+            try:
+                self._drain(block=not engine.has_unfinished())
+                if self._stopping.is_set():
+                    break
+                if engine.has_unfinished():
+                    outputs = engine.step()
+                    self._stats = engine.stats()
+                    if outputs:
+                        self._deliver(outputs)
+            except Exception as exc:  # a bug or device failure: fail every request, keep no zombies
+                log.exception("engine step failed")
+                self._error = exc
+                self._fail_all(exc)
+                return
+        for rid in list(engine.seqs):
+            engine.abort(rid)
+
+    def _drain(self, block: bool) -> None:
+        while True:
+            try:
+                kind, rid, payload = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if kind == "add":
+                prompt, params, request_class = payload
+                try:
+                    self.engine.add_request(rid, prompt, params, request_class)
+                except TierguardError as exc:
+                    self._deliver_error(rid, exc)
+            elif kind == "abort":
+                out = self.engine.abort(rid)
+                if out is not None:
+                    self._deliver([out])
+                    self._stats = self.engine.stats()
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Engine thread: hand outputs to their consumers' loops, one wake-up per loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            entry = self._queues.get(out.request_id)
+            if entry is not None:
+                by_loop.setdefault(entry[0], []).append((entry[1], out))
+        for loop, items in by_loop.items():
+            if not loop.is_closed():
+                try:
+                    loop.call_soon_threadsafe(_put_all, items)
+                except RuntimeError:  # the loop closed in between
+                    pass
+
+    def _deliver_error(self, rid: str, exc: BaseException) -> None:
+        entry = self._queues.get(rid)
+        if entry is not None and not entry[0].is_closed():
+            try:
+                entry[0].call_soon_threadsafe(entry[1].put_nowait, exc)
+            except RuntimeError:
+                pass
+
+    def _fail_all(self, exc: BaseException) -> None:
+        err = EngineDeadError(f"engine step failed: {exc}")
+        for rid in list(self.engine.seqs):
+            try:
+                self.engine.abort(rid)
+            except Exception:  # the pool may be inconsistent after the failure
+                pass
+            self._deliver_error(rid, err)
+
+
+def _put_all(items: list) -> None:
+    for q, item in items:
+        q.put_nowait(item)

@@ -1,0 +1,142 @@
+"""Build an LLMEngine from a local model directory, sizing the KV pool from a budget.
+
+KV budget: `kv_cache_gib` when given; otherwise a fraction of the memory free after the
+weights are loaded (torch.cuda.mem_get_info on CUDA, psutil's available RAM on CPU).
+On CPU the default is also capped (DEFAULT_CPU_KV_CAP_GIB) and never larger than what
+max_num_seqs sequences of max_model_len tokens could use: host RAM is shared with the
+OS, page cache and the tiers (MISSION R6), so the engine does not grab it all.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from tierguard.common.errors import TierguardError
+from tierguard.common.units import GIB
+from tierguard.engine.config import EngineConfig
+from tierguard.engine.llm_engine import LLMEngine
+from tierguard.engine.model_runner import kv_block_bytes
+from tierguard.model.config import ModelConfig
+from tierguard.model.loader import load_model
+from tierguard.model.tokenizer import HFTokenizer
+
+DEFAULT_CUDA_KV_FRACTION = 0.85
+DEFAULT_CPU_KV_FRACTION = 0.10
+DEFAULT_CPU_KV_CAP_GIB = 0.5
+# Tokens per step when not given: a step's duration is an inter-token gap for every
+# running stream, and a CPU computes ~5k prefill tokens/s on the tiny model, so chunks
+# stay small there.
+DEFAULT_BATCHED_TOKENS = {"cpu": 512, "cuda": 2048}
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def kv_budget_bytes(
+    device: torch.device, kv_cache_gib: float | None, kv_cache_fraction: float | None, useful_bytes: int
+) -> int:
+    if kv_cache_gib is not None:
+        if kv_cache_gib <= 0:
+            raise TierguardError(f"--kv-cache-gib must be positive, got {kv_cache_gib}")
+        return int(kv_cache_gib * GIB)
+    default = DEFAULT_CUDA_KV_FRACTION if device.type == "cuda" else DEFAULT_CPU_KV_FRACTION
+    fraction = default if kv_cache_fraction is None else kv_cache_fraction
+    if not 0 < fraction <= 1:
+        raise TierguardError(f"kv cache fraction must be in (0, 1], got {fraction}")
+    budget = int(free_memory_bytes(device) * fraction)
+    if device.type != "cuda":
+        budget = min(budget, int(DEFAULT_CPU_KV_CAP_GIB * GIB), useful_bytes)
+    return budget
+
+
+def _set_cpu_threads(device: str, num_threads: int | None) -> None:
+    """Tiny matmuls gain little from many threads and lose a lot when the cores are
+    shared with the HTTP server and tokenizer: by default use half the cores on CPU."""
+    env = os.environ.get("TIERGUARD_NUM_THREADS")
+    if num_threads or env:
+        torch.set_num_threads(int(num_threads or env or 1))
+    elif device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 2) // 2)))
+
+
+def weights_id(model_dir: Path) -> str:
+    """Tells apart checkpoints of the same shape, for the prefix-hash fingerprint."""
+    parts = [model_dir.resolve().name]
+    for f in sorted(model_dir.glob("*.safetensors")):
+        st = f.stat()
+        parts.append(f"{f.name}:{st.st_size}:{int(st.st_mtime)}")
+    return "|".join(parts)
+
+
+def build_engine(
+    model_dir: str | Path,
+    *,
+    dtype: str = "auto",
+    device: str = "auto",
+    kv_cache_gib: float | None = None,
+    kv_cache_fraction: float | None = None,
+    block_size: int = 16,
+    max_num_seqs: int = 128,
+    max_num_batched_tokens: int | None = None,
+    max_model_len: int | None = None,
+    enable_prefix_caching: bool = True,
+    model_name: str | None = None,
+    num_threads: int | None = None,
+) -> LLMEngine:
+    model_dir = Path(model_dir)
+    cfg = ModelConfig.from_dir(model_dir)  # fail fast on a bad directory, before loading weights
+    if max_model_len is None:
+        max_model_len = cfg.max_exact_len
+    if max_model_len > cfg.max_position_embeddings:
+        raise TierguardError(
+            f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings ({cfg.max_position_embeddings})"
+        )
+    if max_model_len > cfg.max_exact_len:
+        raise TierguardError(
+            f"max_model_len ({max_model_len}) exceeds the model's sliding window ({cfg.sliding_window}); "
+            "sliding-window attention is not implemented"
+        )
+    if block_size <= 0 or block_size & (block_size - 1):
+        raise TierguardError(f"block size must be a positive power of two, got {block_size}")
+    _set_cpu_threads(device, num_threads)
+    tokenizer = HFTokenizer(model_dir)
+    model, cfg, torch_dtype, dev = load_model(model_dir, dtype, device)
+    per_block = kv_block_bytes(cfg, block_size, torch_dtype)
+    useful = max_num_seqs * (-(-max_model_len // block_size)) * per_block
+    budget = kv_budget_bytes(dev, kv_cache_gib, kv_cache_fraction, useful)
+    num_blocks = budget // per_block
+    min_blocks = -(-max_model_len // block_size)
+    if num_blocks < min_blocks:
+        raise TierguardError(
+            f"KV budget of {budget / GIB:.3f} GiB holds {num_blocks} blocks of {block_size} tokens, fewer than one "
+            f"sequence of max_model_len {max_model_len} needs ({min_blocks}); raise --kv-cache-gib or lower --max-model-len"
+        )
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = max(DEFAULT_BATCHED_TOKENS.get(dev.type, 512), max_num_seqs)
+    config = EngineConfig(
+        num_blocks=int(num_blocks),
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_prefix_caching=enable_prefix_caching,
+    )
+    return LLMEngine(
+        model,
+        cfg,
+        tokenizer,
+        config,
+        torch_dtype,
+        dev,
+        model_name=model_name or model_dir.resolve().name,
+        weights_id=weights_id(model_dir),
+    )

@@ -1,0 +1,239 @@
+"""The synchronous engine: add_request / step / abort.
+
+`step()` is schedule -> run the model -> sample -> postprocess (append tokens, detect
+stops, publish computed blocks to the prefix cache, free finished sequences). It is not
+thread-safe; AsyncLLMEngine drives it from a single thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from tierguard.common.errors import TierguardError
+from tierguard.engine.api import EngineStats, RequestOutput, SamplingParams, StepStats, Tokenizer
+from tierguard.engine.block_manager import BlockManager
+from tierguard.engine.block_pool import BlockPool
+from tierguard.engine.config import EngineConfig
+from tierguard.engine.detokenizer import IncrementalDetokenizer
+from tierguard.engine.model_runner import ModelRunner
+from tierguard.engine.prefix_hash import model_fingerprint
+from tierguard.engine.sampler import make_generator, sample
+from tierguard.engine.scheduler import Scheduler
+from tierguard.engine.sequence import FINISH_REASONS, Sequence, SequenceStatus
+from tierguard.model.config import ModelConfig
+from tierguard.model.llama import LlamaModel
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: LlamaModel,
+        model_config: ModelConfig,
+        tokenizer: Tokenizer,
+        config: EngineConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        model_name: str = "model",
+        weights_id: str = "",
+    ) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.config = config
+        self.model_name = model_name
+        fingerprint = model_fingerprint(
+            vars(model_config), str(dtype), config.block_size, weights_id or model_name
+        )
+        self.pool = BlockPool(config.num_blocks)
+        self.block_manager = BlockManager(
+            self.pool, config.block_size, fingerprint, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.runner = ModelRunner(model, model_config, config.num_blocks, config.block_size, dtype, device)
+        self.eos_ids = set(model_config.eos_token_ids)
+        if tokenizer.eos_token_id is not None:
+            self.eos_ids.add(tokenizer.eos_token_id)
+        self.seqs: dict[str, Sequence] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._listeners: list[Callable[[StepStats], None]] = []
+        # Test hook: called with (request ids, float32 logits) for every sampled row.
+        self.logits_hook: Callable[[list[str], torch.Tensor], None] | None = None
+        self.step_count = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    # -- requests -----------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise TierguardError naming the problem; touches no state."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise TierguardError("prompt is empty")
+        if params.max_tokens < 1:
+            raise TierguardError(f"max_tokens must be at least 1, got {params.max_tokens}")
+        if n + params.max_tokens > self.config.max_model_len:
+            raise TierguardError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} "
+                f"exceeds the context limit of {self.config.max_model_len} tokens"
+            )
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise TierguardError(f"prompt has token ids outside the vocabulary [0, {vocab})")
+        if (
+            params.temperature < 0
+            or not 0 < params.top_p <= 1
+            or (params.top_k is not None and params.top_k < 1)
+        ):
+            raise TierguardError("sampling params out of range: temperature >= 0, 0 < top_p <= 1, top_k >= 1")
+        blocks = -(-(n + params.max_tokens) // self.config.block_size)
+        if blocks > self.config.num_blocks:
+            raise TierguardError(
+                f"request needs {blocks} KV blocks but the pool has {self.config.num_blocks}; raise the KV budget"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_class: str = "interactive",
+        arrival: float | None = None,
+    ) -> None:
+        if request_id in self.seqs:
+            raise TierguardError(f"request id {request_id!r} is already in flight")
+        self.validate(prompt_token_ids, params)
+        seq = Sequence(request_id, prompt_token_ids, params, arrival or time.monotonic(), request_class)
+        seq.generator = make_generator(params.seed)
+        self.seqs[request_id] = seq
+        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its blocks; returns its final output (None if unknown)."""
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            return None
+        seq.status = SequenceStatus.FINISHED_ABORTED
+        return self._finish(seq, [])
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        started = time.monotonic()
+        sched = self.scheduler.schedule()
+        outputs: list[RequestOutput] = []
+        # Classified before postprocessing moves num_computed_tokens.
+        prefills = [s for s in sched.scheduled if s.seq.num_computed_tokens < s.seq.num_prompt_tokens]
+        if sched.scheduled:
+            logits = self.runner.run(sched.scheduled)
+            sampling = [s.seq for s in sched.scheduled if s.samples]
+            if self.logits_hook is not None and sampling:
+                self.logits_hook([s.seq_id for s in sampling], logits)
+            tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
+            token_of = dict(zip((s.seq_id for s in sampling), tokens, strict=True))
+            for item in sched.scheduled:
+                seq = item.seq
+                seq.num_computed_tokens += item.num_tokens
+                self.block_manager.register_computed(seq)
+                if item.samples:
+                    if seq.num_output_tokens == 0:
+                        self.prompt_tokens_total += seq.num_prompt_tokens
+                    out = self._on_token(seq, token_of[seq.seq_id])
+                    if out is not None:
+                        outputs.append(out)
+        self.step_count += 1
+        stats = StepStats(
+            step=self.step_count,
+            started_at=started,
+            duration_s=time.monotonic() - started,
+            num_prefill_seqs=len(prefills),
+            num_prefill_tokens=sum(s.num_tokens for s in prefills),
+            num_decode_seqs=len(sched.scheduled) - len(prefills),
+            num_preempted=len(sched.preempted),
+        )
+        for fn in self._listeners:
+            fn(stats)
+        return outputs
+
+    def _on_token(self, seq: Sequence, token: int) -> RequestOutput | None:
+        seq.append_token(token)
+        self.generation_tokens_total += 1
+        p = seq.params
+        detok = self._detok[seq.seq_id]
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
+            seq.status = SequenceStatus.FINISHED_STOPPED
+        elif detok.add(token):
+            seq.status = SequenceStatus.FINISHED_STOPPED
+        elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.config.max_model_len:
+            seq.status = SequenceStatus.FINISHED_LENGTH
+        if seq.status.finished:
+            return self._finish(seq, [token])
+        return self._output(seq, [token], detok.take(False))
+
+    def _finish(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
+        self.scheduler.remove(seq)
+        detok = self._detok.pop(seq.seq_id)
+        del self.seqs[seq.seq_id]
+        return self._output(seq, new_tokens, detok.take(True))
+
+    def _output(self, seq: Sequence, new_tokens: list[int], text: str) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.seq_id,
+            new_token_ids=new_tokens,
+            text_delta=text,
+            finished=seq.status.finished,
+            finish_reason=FINISH_REASONS.get(seq.status),
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+
+    # -- observation ------------------------------------------------------------------------
+    def add_step_listener(self, fn: Callable[[StepStats], None]) -> None:
+        self._listeners.append(fn)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_total=self.pool.num_blocks,
+            kv_blocks_used=self.pool.num_used,
+            prefix_cache_queries=self.block_manager.prefix_queries,
+            prefix_cache_hits=self.block_manager.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            extra={
+                "kv_blocks_cached": float(self.pool.num_cached_free),
+                "kv_block_evictions": float(self.pool.num_evictions),
+                "kv_block_size": float(self.config.block_size),
+            },
+        )
+
+    def check_integrity(self) -> None:
+        """Pool invariants, plus: every block referenced by a live sequence is counted."""
+        self.block_manager.check_integrity()
+        refs: dict[int, int] = {}
+        for seq in self.scheduler.running:
+            for b in seq.block_table:
+                refs[b] = refs.get(b, 0) + 1
+        for b, r in enumerate(self.pool.ref_counts):
+            if r != refs.get(b, 0):
+                raise RuntimeError(f"block {b}: ref count {r} but {refs.get(b, 0)} owners")
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        """Convenience for scripts and tests: run prompts to completion, return output ids."""
+        ids = [f"gen-{self.step_count}-{i}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts, strict=True):
+            self.add_request(rid, prompt, params)
+        results: dict[str, list[int]] = {rid: [] for rid in ids}
+        pending = set(ids)
+        while pending:
+            for out in self.step():
+                results[out.request_id].extend(out.new_token_ids)
+                if out.finished:
+                    pending.discard(out.request_id)
+        return [results[rid] for rid in ids]

@@ -1,0 +1,88 @@
+"""A request's state inside the engine: plain data, mutated by the scheduler and engine."""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+
+from tierguard.engine.api import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()  # queued, holds no blocks
+    # Reserved for the tier store: admitted, but some prefix blocks are still being
+    # loaded from host/NVMe; the scheduler skips it until they are resident.
+    LOADING = auto()
+    RUNNING = auto()
+    FINISHED_STOPPED = auto()
+    FINISHED_LENGTH = auto()
+    FINISHED_ABORTED = auto()
+
+    @property
+    def finished(self) -> bool:
+        return self in (
+            SequenceStatus.FINISHED_STOPPED,
+            SequenceStatus.FINISHED_LENGTH,
+            SequenceStatus.FINISHED_ABORTED,
+        )
+
+
+FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Sequence:
+    """Token ids (prompt + output), block table, and how many tokens have KV in the cache.
+
+    Invariants: num_computed_tokens <= len(token_ids); the block table covers at least
+    num_computed_tokens slots; block_hashes[i] is the prefix hash of full block i once
+    that block's KV has been computed (only full, computed blocks are hashed).
+    """
+
+    def __init__(
+        self,
+        seq_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival: float,
+        request_class: str = "interactive",
+    ) -> None:
+        self.seq_id = seq_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.arrival = arrival
+        self.request_class = request_class
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
+        self.num_preemptions = 0
+        self.generator = None  # torch.Generator when params.seed is set
+        self.stop_reason: str | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens whose KV is not computed yet (1 for a decoding sequence)."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

@@ -1,0 +1,109 @@
+"""Building blocks of a Llama-family decoder: RMSNorm, rotary embeddings, SwiGLU MLP.
+
+Numerics follow transformers' reference implementations (norm in float32, rotary tables
+in float32 then cast), so fp32 logits agree with them to ~1e-5.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tierguard.common.errors import TierguardError
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies, with Llama 3 / linear scaling applied when configured."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind == "default":
+        return inv_freq
+    factor = float(scaling.get("factor", 1.0))
+    if kind == "linear":
+        return inv_freq / factor
+    if kind == "llama3":
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise TierguardError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding:
+    """Precomputed cos/sin tables indexed by absolute position (non-interleaved halves).
+
+    Deliberately not an nn.Module: the tables stay float32 whatever dtype the model is
+    cast to (they are cast per use, like the reference implementation).
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: dict | None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        t = torch.arange(max_positions, dtype=torch.float32, device="cpu")
+        freqs = torch.outer(t, inv_freq.to("cpu"))
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos = emb.cos().to(device)
+        self.sin = emb.sin().to(device)
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for these positions, shaped [T, 1, D] to broadcast over heads.
+
+        Computed once per forward pass and shared by all layers.
+        """
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [T, H, D], k: [T, KV, D]; cos, sin: [T, 1, D]."""
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+class SwiGLU(nn.Module):
+    """gate and up projections fused into one matmul."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

@@ -1,0 +1,181 @@
+"""The aiohttp application: routes, API-key check, and one error shape for everything.
+
+`create_app(engine)` is all a caller needs: the app starts the engine when it starts
+and shuts it down on cleanup (unless `manage_engine=False`), so the CLI, the tests
+and the demo run the same object.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from tierguard import __version__
+from tierguard.engine.api import AsyncEngine
+from tierguard.serve import generate
+from tierguard.serve.errors import APIError, bad_request, from_validation_error
+from tierguard.serve.generate import ServeState
+from tierguard.serve.metrics import CONTENT_TYPE, ServeMetrics
+from tierguard.serve.protocol import DetokenizeRequest, TokenizeRequest
+
+log = logging.getLogger("tierguard.serve")
+
+STATE_KEY: web.AppKey[ServeState] = web.AppKey("tierguard_serve_state", ServeState)
+
+# Paths that need the API key when one is set; health, version and metrics stay open
+# so probes and scrapers work without secrets (as in vLLM).
+_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def create_app(
+    engine: AsyncEngine,
+    *,
+    api_key: str | None = None,
+    served_model_name: str | list[str] | None = None,
+    manage_engine: bool = True,
+) -> web.Application:
+    if isinstance(served_model_name, str):
+        names = [served_model_name]
+    else:
+        names = list(served_model_name or [engine.model_name])
+    metrics = ServeMetrics(engine, names[0])
+    engine.add_step_listener(metrics.on_step)
+    state = ServeState(engine=engine, served_model_names=names, api_key=api_key or None, metrics=metrics)
+
+    app = web.Application(middlewares=[_errors_middleware, _auth_middleware], client_max_size=64 * 1024**2)
+    app[STATE_KEY] = state
+    app.router.add_post("/v1/completions", _with_state(generate.completions))
+    app.router.add_post("/v1/chat/completions", _with_state(generate.chat_completions))
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/version", version)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/metrics", metrics_handler)
+    if manage_engine:
+        app.on_startup.append(_start_engine)
+        app.on_cleanup.append(_stop_engine)
+    return app
+
+
+def _with_state(fn: Callable[[web.Request, ServeState], Awaitable[web.StreamResponse]]) -> Handler:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await fn(request, request.app[STATE_KEY])
+
+    return handler
+
+
+async def _start_engine(app: web.Application) -> None:
+    await app[STATE_KEY].engine.start()
+
+
+async def _stop_engine(app: web.Application) -> None:
+    await app[STATE_KEY].engine.shutdown()
+
+
+@web.middleware
+async def _errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure leaves as an OpenAI error body; nothing leaks a traceback."""
+    state = request.app[STATE_KEY]
+    route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
+    try:
+        resp = await handler(request)
+    except APIError as exc:
+        resp = exc.response()
+    except ValidationError as exc:
+        resp = from_validation_error(exc).response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        msg = "no such route" if exc.status == 404 else exc.reason
+        resp = APIError(exc.status, f"{request.method} {request.path}: {msg}").response()
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        resp = APIError(500, "internal server error; see the server log").response()
+    state.metrics.on_response(route, resp.status)
+    return resp
+
+
+@web.middleware
+async def _auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    key = request.app[STATE_KEY].api_key
+    if key is not None and request.path.startswith(_PROTECTED_PREFIXES):
+        given = request.headers.get("Authorization", "")
+        token = given[7:] if given[:7].lower() == "bearer " else ""
+        # compare_digest: the time taken must not reveal how much of the key matched.
+        if not hmac.compare_digest(token.encode(), key.encode()):
+            raise APIError(401, "missing or invalid API key: send `Authorization: Bearer <key>`")
+    return await handler(request)
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    created = int(state.started_at)
+    data = [
+        {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "tierguard",
+            "root": state.engine.model_name,
+            "max_model_len": state.engine.max_model_len,
+        }
+        for name in state.served_model_names
+    ]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def health(request: web.Request) -> web.Response:
+    s = request.app[STATE_KEY].engine.stats()
+    return web.json_response(
+        {
+            "status": "ok",
+            "num_running": s.num_running,
+            "num_waiting": s.num_waiting,
+            "kv_cache_usage": s.kv_usage,
+        }
+    )
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": __version__})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    req = TokenizeRequest.model_validate_json(await request.read())
+    state.check_model(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("send exactly one of `prompt` or `messages`", "prompt")
+    if req.messages is not None:
+        msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+        ids = await state.encode_chat(msgs, req.add_generation_prompt)
+    else:
+        ids = await state.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
+    return web.json_response({"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    req = DetokenizeRequest.model_validate_json(await request.read())
+    state.check_model(req.model)
+    vocab = getattr(state.engine.tokenizer, "vocab_size", None)
+    bad = [t for t in req.tokens if t < 0 or (vocab is not None and t >= vocab)]
+    if bad:
+        raise bad_request(f"token ids {bad[:5]} are outside the vocabulary (0..{vocab})", "tokens")
+    try:
+        text = state.engine.tokenizer.decode(req.tokens, skip_special_tokens=False)
+    except Exception as exc:  # tokenizers raises plain exceptions for ids outside the vocabulary
+        raise bad_request(f"cannot decode these token ids: {exc}", "tokens") from exc
+    return web.json_response({"prompt": text})
+
+
+async def metrics_handler(request: web.Request) -> web.Response:
+    body = request.app[STATE_KEY].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})

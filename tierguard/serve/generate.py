@@ -1,0 +1,268 @@
+"""The two generating endpoints: /v1/completions and /v1/chat/completions.
+
+Both share one path: validate → tokenize → check the context budget → run the engine
+request → stream chunks or gather one body. The invariant that matters for memory:
+every engine request either finishes or is aborted here (`finally`), whether the
+client read to the end, disconnected mid-stream, or the handler was cancelled, so
+its KV blocks always return to the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from tierguard.common.errors import TierguardError
+from tierguard.engine.api import AsyncEngine, RequestOutput
+from tierguard.serve.errors import APIError, bad_request
+from tierguard.serve.metrics import ServeMetrics
+from tierguard.serve.protocol import ChatCompletionRequest, CompletionRequest
+from tierguard.serve.responses import Shape, usage
+from tierguard.serve.sse import ClientGone, SSEWriter
+
+log = logging.getLogger("tierguard.serve")
+
+# Tokenizing more text than this inline would hold the event loop for a noticeable
+# time (hundreds of µs and up), so longer inputs go to a worker thread.
+_INLINE_TOKENIZE_CHARS = 2048
+
+
+@dataclass
+class ServeState:
+    """What every handler needs; stored on the app under `STATE_KEY`."""
+
+    engine: AsyncEngine
+    served_model_names: list[str]
+    api_key: str | None
+    metrics: ServeMetrics
+    started_at: float = field(default_factory=time.time)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.served_model_names:
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist; this server serves "
+                f"{', '.join(repr(n) for n in self.served_model_names)}.",
+                "model",
+            )
+
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        tok = self.engine.tokenizer
+        if len(text) <= _INLINE_TOKENIZE_CHARS:
+            return tok.encode(text, add_special_tokens=add_special_tokens)
+        return await asyncio.to_thread(tok.encode, text, add_special_tokens)
+
+    async def encode_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        def work() -> list[int]:
+            try:
+                text = self.engine.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=add_generation_prompt
+                )
+            except Exception as exc:  # no template, or the template rejected these messages
+                raise bad_request(f"cannot apply the chat template: {exc}", "messages") from exc
+            # The template already contains BOS and friends; adding them again doubles them.
+            return self.engine.tokenizer.encode(text, add_special_tokens=False)
+
+        if sum(len(m["content"]) for m in messages) <= _INLINE_TOKENIZE_CHARS:
+            return work()
+        return await asyncio.to_thread(work)
+
+    def budget(self, num_prompt: int, requested: int | None) -> int:
+        """max_tokens to run with; refuses requests that cannot fit the context."""
+        limit = self.engine.max_model_len
+        if num_prompt == 0:
+            raise bad_request("the prompt is empty (0 tokens)", "prompt")
+        if num_prompt >= limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens, but the prompt has "
+                f"{num_prompt} tokens, leaving no room for output.",
+                "prompt",
+            )
+        max_tokens = limit - num_prompt if requested is None else requested
+        if num_prompt + max_tokens > limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for the "
+                f"completion). Reduce the prompt or max_tokens.",
+                "max_tokens",
+            )
+        return max_tokens
+
+
+class _Timer:
+    """Per-request latencies as the server sees them (arrival → each output message)."""
+
+    def __init__(self, metrics: ServeMetrics, arrival: float) -> None:
+        self._m = metrics
+        self.arrival = arrival
+        self._last: float | None = None
+
+    def on_output(self, out: RequestOutput) -> None:
+        if not out.new_token_ids:
+            return
+        now = time.monotonic()
+        if self._last is None:
+            self._m.ttft.observe(now - self.arrival)
+        else:
+            self._m.itl.observe(now - self._last)
+        self._last = now
+
+    def on_finished(self, out: RequestOutput) -> None:
+        self._m.on_finished(
+            out.finish_reason, out.num_prompt_tokens, out.num_output_tokens, time.monotonic() - self.arrival
+        )
+
+
+async def completions(request: web.Request, state: ServeState) -> web.StreamResponse:
+    arrival = time.monotonic()
+    req = CompletionRequest.model_validate_json(await request.read())
+    _refuse(req.unsupported())
+    state.check_model(req.model)
+    prompt = req.single_prompt()
+    ids = list(prompt) if isinstance(prompt, list) else await state.encode(prompt, add_special_tokens=True)
+    return await _run(request, state, req, ids, state.budget(len(ids), req.max_tokens), arrival, chat=False)
+
+
+async def chat_completions(request: web.Request, state: ServeState) -> web.StreamResponse:
+    arrival = time.monotonic()
+    req = ChatCompletionRequest.model_validate_json(await request.read())
+    _refuse(req.unsupported())
+    state.check_model(req.model)
+    ids = await state.encode_chat(req.plain_messages(), req.add_generation_prompt)
+    return await _run(
+        request, state, req, ids, state.budget(len(ids), req.requested_max_tokens()), arrival, chat=True
+    )
+
+
+def _refuse(err: APIError | None) -> None:
+    if err is not None:
+        raise err
+
+
+@dataclass
+class _Progress:
+    """Whether the engine already finished the request (then no abort is needed)."""
+
+    finished: bool = False
+
+
+async def _run(
+    request: web.Request,
+    state: ServeState,
+    req: CompletionRequest | ChatCompletionRequest,
+    ids: list[int],
+    max_tokens: int,
+    arrival: float,
+    *,
+    chat: bool,
+) -> web.StreamResponse:
+    shape = Shape(chat=chat, model=req.model or state.served_model_names[0])
+    timer = _Timer(state.metrics, arrival)
+    progress = _Progress()
+    gen = state.engine.generate(shape.id, ids, req.sampling_params(max_tokens), req.request_class)
+    try:
+        # The first output is awaited before any header goes out, so a request the
+        # engine refuses still gets a proper HTTP status instead of a 200 stream.
+        try:
+            first = await anext(gen)
+        except StopAsyncIteration:
+            raise APIError(500, "the engine produced no output for this request") from None
+        except TierguardError as exc:
+            raise bad_request(str(exc)) from exc
+        outputs = _chain(first, gen, progress)
+        if req.stream:
+            return await _stream(request, req, shape, timer, outputs)
+        pieces: list[str] = []
+        last = first
+        async for out in outputs:
+            timer.on_output(out)
+            pieces.append(out.text_delta)
+            last = out
+        timer.on_finished(last)
+        return web.json_response(
+            shape.whole(
+                "".join(pieces),
+                last.finish_reason,
+                usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens),
+            )
+        )
+    finally:
+        await _close(gen)
+        if not progress.finished:
+            state.metrics.on_aborted()
+            # Shielded: when the handler itself is being cancelled (client gone), the
+            # abort must still reach the engine or the request's blocks stay allocated.
+            await asyncio.shield(_abort(state.engine, shape.id))
+
+
+async def _chain(
+    first: RequestOutput, rest: AsyncIterator[RequestOutput], progress: _Progress
+) -> AsyncIterator[RequestOutput]:
+    progress.finished = first.finished
+    yield first
+    if first.finished:
+        return
+    async for out in rest:
+        progress.finished = out.finished
+        yield out
+
+
+async def _stream(
+    request: web.Request,
+    req: CompletionRequest | ChatCompletionRequest,
+    shape: Shape,
+    timer: _Timer,
+    outputs: AsyncIterator[RequestOutput],
+) -> web.StreamResponse:
+    sse = SSEWriter(request)
+    await sse.open()
+    try:
+        async for out in outputs:
+            timer.on_output(out)
+            cont = (
+                usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
+                if req.continuous_usage
+                else None
+            )
+            if out.text_delta or out.finished:
+                await sse.send(shape.chunk(out.text_delta, out.finish_reason if out.finished else None, cont))
+            if out.finished:
+                timer.on_finished(out)
+                if req.include_usage:
+                    await sse.send(
+                        shape.usage_chunk(
+                            usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
+                        )
+                    )
+        await sse.done()
+    except ClientGone:
+        log.info("client went away during %s; aborting it", shape.id)
+    except Exception as exc:  # headers are out: the failure can only travel as an event
+        log.exception("request %s failed mid-stream", shape.id)
+        try:
+            await sse.send(APIError(500, f"generation failed: {exc}").body())
+            await sse.done()
+        except ClientGone:
+            pass
+    return sse.response
+
+
+async def _close(gen: object) -> None:
+    aclose = getattr(gen, "aclose", None)
+    if aclose is not None:
+        try:
+            await aclose()
+        except Exception:  # a broken generator must not hide the abort that follows
+            log.exception("closing the engine stream failed")
+
+
+async def _abort(engine: AsyncEngine, request_id: str) -> None:
+    try:
+        await engine.abort(request_id)
+    except Exception:
+        log.exception("aborting %s failed", request_id)
