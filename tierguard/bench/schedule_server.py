@@ -75,6 +75,9 @@ class _Handler:
         self.sem = asyncio.Semaphore(schedule.capacity) if schedule.capacity else None
         self.active = 0
         self.max_active = 0
+        self.truth: list[dict] = []  # per streamed request: what the server actually did
+        self.requests_total = 0
+        self.waiting = 0  # requests queued for capacity
 
     async def models(self, _: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.s.model, "object": "model"}]})
@@ -84,6 +87,25 @@ class _Handler:
 
     async def version(self, _: web.Request) -> web.Response:
         return web.json_response({"version": "schedule-server-1", "schedule": asdict(self.s)})
+
+    async def truth_view(self, request: web.Request) -> web.Response:
+        """Ground truth for clients under test: arrival, start and the CLOCK_MONOTONIC time
+        of every write with its token count (same clock as any local client process)."""
+        rows = self.truth
+        if request.query.get("reset"):
+            self.truth = []
+        return web.json_response({"requests": rows})
+
+    async def metrics(self, _: web.Request) -> web.Response:
+        text = (
+            "# TYPE schedule_active_streams gauge\n"
+            f"schedule_active_streams {self.active}\n"
+            "# TYPE schedule_requests_waiting gauge\n"
+            f"schedule_requests_waiting {self.waiting}\n"
+            "# TYPE schedule_requests counter\n"
+            f"schedule_requests_total {self.requests_total}\n"
+        )
+        return web.Response(text=text, content_type="text/plain")
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -105,11 +127,16 @@ class _Handler:
         chat = request.path.endswith("/chat/completions")
         n_tokens = self.s.output_tokens or int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
         idx = next(self.counter)
+        self.requests_total += 1
         stalled = bool(self.s.stall_every) and idx % self.s.stall_every == 0
         prompt = body.get("prompt") if not chat else json.dumps(body.get("messages", []))
         n_prompt = len(str(prompt or "").split())
         if self.sem is not None:
-            await self.sem.acquire()
+            self.waiting += 1
+            try:
+                await self.sem.acquire()
+            finally:
+                self.waiting -= 1
         self.active += 1
         self.max_active = max(self.max_active, self.active)
         try:
@@ -135,6 +162,7 @@ class _Handler:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         resp.headers["X-Schedule-Stalled"] = "1" if stalled else "0"
         resp.headers["X-Schedule-Queue-Ms"] = f"{(start - arrived) * 1000:.3f}"
+        resp.enable_chunked_encoding()
         await resp.prepare(request)
         opts = body.get("stream_options") or {}
         continuous = bool(opts.get("continuous_usage_stats")) and self.s.send_usage
@@ -142,24 +170,53 @@ class _Handler:
         times = self.s.token_times(n_tokens, stalled)
         k = max(1, self.s.tokens_per_chunk)
         obj = "chat.completion.chunk" if chat else "text_completion"
-        sent = 0
+        # Chunks are formatted from a template (json.dumps per chunk costs the server more
+        # CPU than the clients under test spend); tests check they parse as JSON.
+        head = f'data: {{"id": "req-{idx}", "object": "{obj}", "model": {json.dumps(self.s.model)}, "choices": [{{"index": 0, '
+        record = {"id": f"req-{idx}", "arrival": arrived, "start": start, "stalled": stalled,
+                  "times": [], "tokens": []}
+        self.truth.append(record)
+        # Tokens leave from a chain of loop callbacks writing straight to the transport
+        # (chunked framing done here): a coroutine wake-up plus aiohttp's write path per
+        # token made the server, not the client under test, the bottleneck at 1k streams.
+        loop = asyncio.get_running_loop()
+        transport = request.transport
+        done: asyncio.Future = loop.create_future()
+        state = {"sent": 0}
+
+        def schedule_next() -> None:
+            count = min(k, n_tokens - state["sent"])
+            due = start + times[state["sent"] + count - 1]  # a chunk leaves when its last token is ready
+            loop.call_at(loop.time() + max(0.0, due - time.monotonic()), emit, count)
+
+        def emit(count: int) -> None:
+            if done.done():
+                return
+            if transport is None or transport.is_closing():
+                done.set_result(False)
+                return
+            state["sent"] += count
+            sent = state["sent"]
+            text = " tok" * count
+            finish = '"length"' if sent == n_tokens else "null"
+            body = (f'"delta": {{"content": "{text}"}}' if chat else f'"text": "{text}"')
+            line = f'{head}"finish_reason": {finish}, {body}}}]'
+            if continuous:
+                line += (f', "usage": {{"prompt_tokens": {n_prompt}, "completion_tokens": {sent}, '
+                         f'"total_tokens": {n_prompt + sent}}}')
+            data = (line + "}\n\n").encode()
+            transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+            record["times"].append(time.monotonic())
+            record["tokens"].append(count)
+            if sent < n_tokens:
+                schedule_next()
+            else:
+                done.set_result(True)
+
         try:
-            while sent < n_tokens:
-                count = min(k, n_tokens - sent)
-                due = start + times[sent + count - 1]  # a chunk leaves when its last token is ready
-                delay = due - time.monotonic()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                sent += count
-                text = " tok" * count
-                delta = {"content": text} if chat else None
-                choice = {"index": 0, "finish_reason": "length" if sent == n_tokens else None}
-                choice.update({"delta": delta} if chat else {"text": text})
-                chunk = {"id": f"req-{idx}", "object": obj, "model": self.s.model, "choices": [choice]}
-                if continuous:
-                    chunk["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": sent,
-                                      "total_tokens": n_prompt + sent}
-                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            schedule_next()
+            if not await done:
+                return resp
             if include_usage:
                 usage = {"prompt_tokens": n_prompt, "completion_tokens": n_tokens,
                          "total_tokens": n_prompt + n_tokens}
@@ -182,6 +239,8 @@ def create_app(schedule: Schedule) -> web.Application:
     app.router.add_get("/health", h.health)
     app.router.add_get("/version", h.version)
     app.router.add_post("/tokenize", h.tokenize)
+    app.router.add_get("/truth", h.truth_view)
+    app.router.add_get("/metrics", h.metrics)
     app["handler"] = h
     return app
 
