@@ -60,11 +60,41 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--upstream-api-key", help="key sent to the upstream (or TIERGUARD_UPSTREAM_API_KEY)")
     p.add_argument("--log", help="JSONL request log file")
     p.add_argument("--log-prompts", action="store_true", default=None, help="include prompt text in the log")
-    for flag, (kind, text) in {**_POLICY_FLAGS, **_GATE_FLAGS}.items():
-        choices = ("reject", "downgrade", "async") if flag == "overflow" else None
-        p.add_argument("--" + flag, type=kind, help=text, choices=choices)
+    add_policy_flags(p, ("reject", "downgrade", "async"))
+    for flag, (kind, text) in _GATE_FLAGS.items():
+        p.add_argument("--" + flag, type=kind, help=text)
     p.add_argument("--verbose", "-v", action="store_true", help="log every decision")
     return p
+
+
+def add_policy_flags(p: argparse.ArgumentParser, overflow_choices: tuple[str, ...]) -> None:
+    """The admission-policy flags, shared by `tierguard gate` and `tierguard serve`."""
+    group = p.add_argument_group("admission control (R8)")
+    for flag, (kind, text) in _POLICY_FLAGS.items():
+        choices = overflow_choices if flag == "overflow" else None
+        group.add_argument("--" + flag, type=kind, help=text, choices=choices)
+
+
+def _normalize_sizes(options: dict) -> None:
+    for key in ("long_threshold", "max_input_tokens"):
+        if isinstance(options.get(key), str):
+            options[key] = parse_tokens(options[key], key)
+
+
+def policy_from_args(args: argparse.Namespace, config: str | None):
+    """An AdmissionPolicy from a policy file overlaid by the flags, or None when neither is given."""
+    from tierguard.gate.policy import POLICY_KEYS, AdmissionPolicy, load_config
+
+    options = load_config(config) if config else {}
+    other = sorted(set(options) - POLICY_KEYS)
+    if other:
+        raise TierguardError(f"config file {config!r}: only admission options belong here, not {', '.join(other)}")
+    _normalize_sizes(options)
+    for flag in _POLICY_FLAGS:
+        value = getattr(args, flag.replace("-", "_"), None)
+        if value is not None:
+            options[flag.replace("-", "_")] = value
+    return AdmissionPolicy(**options).validate() if options else None
 
 
 def resolve_options(args: argparse.Namespace) -> dict:
@@ -76,9 +106,7 @@ def resolve_options(args: argparse.Namespace) -> dict:
         if isinstance(options.get(key), str) and options[key]:
             raise TierguardError(f"config file holds {key}; keep secrets out of config files "
                                  f"(use --api-key-file or TIERGUARD_{key.upper()})")
-    for key in ("long_threshold", "max_input_tokens"):
-        if isinstance(options.get(key), str):
-            options[key] = parse_tokens(options[key], key)
+    _normalize_sizes(options)
     if isinstance(options.get("max_body_bytes"), str):
         options["max_body_bytes"] = parse_bytes(options["max_body_bytes"], "max_body_bytes")
     for name in ("upstream", "host", "port", "tokenizer", "api_key", "api_key_file", "upstream_api_key", "log",

@@ -14,6 +14,7 @@ import signal
 import sys
 from pathlib import Path
 
+from tierguard.cli.gate import add_policy_flags, policy_from_args
 from tierguard.common.errors import TierguardError
 
 READY_PREFIX = "tierguard serve: ready on "
@@ -50,6 +51,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--admission-config",
+        default=None,
+        help="TOML/YAML file of admission options (as for `tierguard gate`); admission is on when "
+        "this or any admission flag is given",
+    )
+    add_policy_flags(p, ("reject", "downgrade"))
     return p
 
 
@@ -87,6 +95,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     _validate(args)
+    args.admission = policy_from_args(args, args.admission_config)  # refused here, before the model loads
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -109,7 +118,7 @@ async def _serve(engine, args: argparse.Namespace, model_name: str) -> int:
 
     from tierguard.serve.app import create_app
 
-    app = create_app(engine, api_key=args.api_key, served_model_name=model_name)
+    app = create_app(engine, api_key=args.api_key, served_model_name=model_name, admission=args.admission)
     # handler_cancellation: a client that hangs up cancels its handler, whose `finally`
     # aborts the engine request, so even non-streaming requests free their blocks.
     runner = web.AppRunner(

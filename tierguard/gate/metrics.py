@@ -17,7 +17,9 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 
 
-class _ControllerCollector:
+class ControllerCollector:
+    """Reads queue depth, in-flight and decisions from a controller at scrape time."""
+
     def __init__(self, controller: AdmissionController) -> None:
         self.controller = controller
 
@@ -38,7 +40,7 @@ class _ControllerCollector:
 class GateMetrics:
     def __init__(self, controller: AdmissionController) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_ControllerCollector(controller))
+        self.registry.register(ControllerCollector(controller))
         r = self.registry
         self.queue_wait = Histogram("tierguard_gate_queue_wait_seconds", "Time a request waited for a slot",
                                     ["class"], buckets=_LATENCY_BUCKETS, registry=r)

@@ -15,7 +15,10 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from tierguard import __version__
+from tierguard.common.errors import TierguardError
 from tierguard.engine.api import AsyncEngine
+from tierguard.gate import AdmissionController, AdmissionPolicy
+from tierguard.gate.metrics import ControllerCollector
 from tierguard.serve import generate
 from tierguard.serve.errors import APIError, bad_request, from_validation_error
 from tierguard.serve.generate import ServeState
@@ -39,14 +42,24 @@ def create_app(
     api_key: str | None = None,
     served_model_name: str | list[str] | None = None,
     manage_engine: bool = True,
+    admission: AdmissionPolicy | None = None,
 ) -> web.Application:
+    """The server; with `admission`, every generating request passes the gate's controller."""
     if isinstance(served_model_name, str):
         names = [served_model_name]
     else:
         names = list(served_model_name or [engine.model_name])
     metrics = ServeMetrics(engine, names[0])
     engine.add_step_listener(metrics.on_step)
-    state = ServeState(engine=engine, served_model_names=names, api_key=api_key or None, metrics=metrics)
+    controller = None
+    if admission is not None:
+        if admission.validate().overflow == "async":
+            raise TierguardError("overflow 'async' needs a job store: run `tierguard gate` in front of serve")
+        controller = AdmissionController(admission)
+        metrics.registry.register(ControllerCollector(controller))
+    state = ServeState(
+        engine=engine, served_model_names=names, api_key=api_key or None, metrics=metrics, admission=controller
+    )
 
     app = web.Application(middlewares=[_errors_middleware, _auth_middleware], client_max_size=64 * 1024**2)
     app[STATE_KEY] = state

@@ -19,6 +19,7 @@ _TYPES = {
     404: "NotFoundError",
     405: "MethodNotAllowed",
     413: "RequestTooLarge",
+    429: "RateLimitError",
     500: "InternalServerError",
     503: "ServiceUnavailable",
 }
@@ -31,6 +32,7 @@ class APIError(Exception):
     status: int
     message: str
     param: str | None = None
+    headers: dict[str, str] | None = None  # e.g. Retry-After on a 429
 
     def __str__(self) -> str:
         return self.message
@@ -46,7 +48,7 @@ class APIError(Exception):
         }
 
     def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status)
+        return web.json_response(self.body(), status=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

@@ -19,6 +19,8 @@ from aiohttp import web
 
 from tierguard.common.errors import TierguardError
 from tierguard.engine.api import AsyncEngine, RequestOutput
+from tierguard.gate import AdmissionController
+from tierguard.serve.admission import admitted
 from tierguard.serve.errors import APIError, bad_request
 from tierguard.serve.metrics import ServeMetrics
 from tierguard.serve.protocol import ChatCompletionRequest, CompletionRequest
@@ -40,6 +42,7 @@ class ServeState:
     served_model_names: list[str]
     api_key: str | None
     metrics: ServeMetrics
+    admission: AdmissionController | None = None  # None: every request goes straight to the engine
     started_at: float = field(default_factory=time.time)
 
     def check_model(self, model: str | None) -> None:
@@ -125,7 +128,11 @@ async def completions(request: web.Request, state: ServeState) -> web.StreamResp
     state.check_model(req.model)
     prompt = req.single_prompt()
     ids = list(prompt) if isinstance(prompt, list) else await state.encode(prompt, add_special_tokens=True)
-    return await _run(request, state, req, ids, state.budget(len(ids), req.max_tokens), arrival, chat=False)
+    max_tokens = state.budget(len(ids), req.max_tokens)  # refuse what can never fit before it takes a slot
+    if state.admission is None:
+        return await _run(request, state, req, ids, max_tokens, arrival, chat=False)
+    async with admitted(state.admission, ids, req.request_class) as slot:
+        return await _run(request, state, req, slot.ids, max_tokens, arrival, chat=False, headers=slot.headers())
 
 
 async def chat_completions(request: web.Request, state: ServeState) -> web.StreamResponse:
@@ -133,10 +140,19 @@ async def chat_completions(request: web.Request, state: ServeState) -> web.Strea
     req = ChatCompletionRequest.model_validate_json(await request.read())
     _refuse(req.unsupported())
     state.check_model(req.model)
-    ids = await state.encode_chat(req.plain_messages(), req.add_generation_prompt)
-    return await _run(
-        request, state, req, ids, state.budget(len(ids), req.requested_max_tokens()), arrival, chat=True
-    )
+    messages = req.plain_messages()
+    ids = await state.encode_chat(messages, req.add_generation_prompt)
+    if state.admission is None:
+        return await _run(
+            request, state, req, ids, state.budget(len(ids), req.requested_max_tokens()), arrival, chat=True
+        )
+
+    async def encode(msgs: list[dict]) -> list[int]:
+        return await state.encode_chat(msgs, req.add_generation_prompt)
+
+    async with admitted(state.admission, ids, req.request_class, messages, encode) as slot:
+        max_tokens = state.budget(len(slot.ids), req.requested_max_tokens())
+        return await _run(request, state, req, slot.ids, max_tokens, arrival, chat=True, headers=slot.headers())
 
 
 def _refuse(err: APIError | None) -> None:
@@ -160,6 +176,7 @@ async def _run(
     arrival: float,
     *,
     chat: bool,
+    headers: dict[str, str] | None = None,
 ) -> web.StreamResponse:
     shape = Shape(chat=chat, model=req.model or state.served_model_names[0])
     timer = _Timer(state.metrics, arrival)
@@ -176,7 +193,7 @@ async def _run(
             raise bad_request(str(exc)) from exc
         outputs = _chain(first, gen, progress)
         if req.stream:
-            return await _stream(request, req, shape, timer, outputs)
+            return await _stream(request, req, shape, timer, outputs, headers)
         pieces: list[str] = []
         last = first
         async for out in outputs:
@@ -189,7 +206,8 @@ async def _run(
                 "".join(pieces),
                 last.finish_reason,
                 usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens),
-            )
+            ),
+            headers=headers,
         )
     finally:
         await _close(gen)
@@ -218,8 +236,10 @@ async def _stream(
     shape: Shape,
     timer: _Timer,
     outputs: AsyncIterator[RequestOutput],
+    headers: dict[str, str] | None = None,
 ) -> web.StreamResponse:
     sse = SSEWriter(request)
+    sse.response.headers.update(headers or {})
     await sse.open()
     try:
         async for out in outputs:
