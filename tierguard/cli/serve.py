@@ -16,6 +16,7 @@ from pathlib import Path
 
 from tierguard.cli.gate import add_policy_flags, policy_from_args
 from tierguard.common.errors import TierguardError
+from tierguard.serve.tier_flags import add_tier_flags, tier_kwargs
 
 READY_PREFIX = "tierguard serve: ready on "
 # On SIGTERM in-flight requests get this long to finish; then their handlers are
@@ -45,11 +46,26 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--kv-cache-gib", type=float, default=None, help="KV cache budget (default: engine's choice)"
     )
+    p.add_argument(
+        "--kv-dtype",
+        default="auto",
+        choices=["auto", "fp8", "int8"],
+        help="device KV pool element type: auto (the model dtype), fp8 (e4m3) or int8, "
+        "both with per-token-head float32 scales (more blocks fit in the same budget)",
+    )
+    p.add_argument(
+        "--weights-offload-gib",
+        type=float,
+        default=0.0,
+        help="keep up to this many GiB of decoder layer weights in host memory and stream them "
+        "in every step (last resort; costs TPOT; separate from the KV budgets)",
+    )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in one step")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="most tokens in one step")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    add_tier_flags(p)  # --kv-host-gib, --kv-disk-dir, --kv-disk-gib, --ttft-budget-ms, --kv-naive-sync-disk
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.add_argument(
         "--admission-config",
@@ -70,6 +86,8 @@ def _validate(args: argparse.Namespace) -> None:
             raise TierguardError(f"--{flag.replace('_', '-')} must be positive, got {value}")
     if args.kv_cache_gib is not None and args.kv_cache_gib <= 0:
         raise TierguardError(f"--kv-cache-gib must be positive, got {args.kv_cache_gib}")
+    if args.weights_offload_gib < 0:
+        raise TierguardError(f"--weights-offload-gib must be >= 0, got {args.weights_offload_gib}")
     if args.model != "tiny" and not Path(args.model).is_dir():
         raise TierguardError(
             f"--model {args.model!r} is not a directory (use a local HF model dir or 'tiny')"
@@ -84,7 +102,10 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         "block_size": args.block_size,
         "max_model_len": args.max_model_len,
         "enable_prefix_caching": not args.no_prefix_caching,
+        "kv_dtype": args.kv_dtype,
+        "weights_offload_gib": args.weights_offload_gib,
     }
+    kwargs.update(tier_kwargs(args))  # validated before the model loads
     # Leave unset limits to the engine's defaults rather than guessing them here.
     if args.max_num_seqs is not None:
         kwargs["max_num_seqs"] = args.max_num_seqs

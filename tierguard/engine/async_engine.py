@@ -38,6 +38,7 @@ class AsyncLLMEngine:
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        engine.tier_stats_max_age_s = 0.1  # stats() runs after every step; tier percentiles are not free
         self._stats = engine.stats()  # refreshed by the engine thread after every step
         self._error: BaseException | None = None
 
@@ -55,8 +56,15 @@ class AsyncLLMEngine:
         max_num_batched_tokens: int | None = None,
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
+        kv_host_gib: float = 0.0,
+        kv_disk_dir: str | None = None,
+        kv_disk_gib: float = 0.0,
+        ttft_budget_ms: dict[str, float] | None = None,
+        naive_sync_disk: bool = False,
         model_name: str | None = None,
         num_threads: int | None = None,
+        kv_dtype: str = "auto",
+        weights_offload_gib: float | None = None,
     ) -> AsyncLLMEngine:
         """Load a local HF model directory; see tierguard/engine/factory.py for the KV budget."""
         from tierguard.engine.factory import build_engine
@@ -73,8 +81,15 @@ class AsyncLLMEngine:
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len,
                 enable_prefix_caching=enable_prefix_caching,
+                kv_host_gib=kv_host_gib,
+                kv_disk_dir=kv_disk_dir,
+                kv_disk_gib=kv_disk_gib,
+                ttft_budget_ms=ttft_budget_ms,
+                naive_sync_disk=naive_sync_disk,
                 model_name=model_name,
                 num_threads=num_threads,
+                kv_dtype=kv_dtype,
+                weights_offload_gib=weights_offload_gib,
             )
         )
 
@@ -134,6 +149,14 @@ class AsyncLLMEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
+    def tier_health(self) -> dict | None:
+        """The disk tier's state for /health (None without tiers); reads two plain fields."""
+        tiers = self.engine.tiers
+        if tiers is None:
+            return None
+        healthy, reason = tiers.disk_health
+        return {"disk_tier": tiers.store.disk is not None, "disk_healthy": healthy, "disk_reason": reason}
+
     def add_step_listener(self, fn: Callable[[StepStats], None]) -> None:
         """`fn` runs on the engine thread after every step; keep it cheap and thread-safe."""
         self.engine.add_step_listener(fn)
@@ -158,6 +181,10 @@ class AsyncLLMEngine:
                 return
         for rid in list(engine.seqs):
             engine.abort(rid)
+        try:
+            engine.close()  # lets write-behind to the disk tier finish, bounded
+        except Exception:  # shutdown must not hang or raise on a broken tier
+            log.exception("closing the KV tiers failed")
 
     def _drain(self, block: bool) -> None:
         while True:

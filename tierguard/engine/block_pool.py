@@ -111,6 +111,16 @@ class BlockPool:
         self._by_hash[block_hash] = block_id
         return True
 
+    def drop_cached(self, block_id: int) -> bool:
+        """Forget one cached-free block's content now (its KV now lives elsewhere) and make
+        it plain free; False, changing nothing, unless the block is cached-free."""
+        if block_id not in self._cached_free:
+            return False
+        del self._cached_free[block_id]
+        self._evict(block_id)
+        self._free.append(block_id)
+        return True
+
     def evict_all_cached(self) -> int:
         """Drop every cached-free block (e.g. to reset the prefix cache). Returns the count."""
         n = 0

@@ -15,8 +15,17 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024  # tokens per step (decodes + prefill chunks)
     max_model_len: int = 2048  # prompt + output limit per request
     enable_prefix_caching: bool = True
+    # Tiered KV store (tierguard/engine/tiers.py); off when both budgets are zero.
+    kv_host_gib: float = 0.0  # host-RAM tier budget
+    kv_disk_dir: str | None = None  # NVMe tier directory
+    kv_disk_gib: float = 0.0  # NVMe tier budget
+    ttft_budget_ms: dict[str, float] | None = None  # per request class; None: the contract's defaults
+    naive_sync_disk: bool = False  # benchmark only: spill running sequences to disk, read back in-step
+    kv_dtype: str = "auto"  # device KV pool: auto (model dtype), fp8 or int8 (+ per-token-head scales)
 
     def __post_init__(self) -> None:
+        if self.kv_dtype not in ("auto", "fp8", "int8"):
+            raise TierguardError(f"--kv-dtype must be auto, fp8 or int8, got {self.kv_dtype!r}")
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -26,6 +35,25 @@ class EngineConfig:
             raise TierguardError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
             )
+
+    @property
+    def tiers_enabled(self) -> bool:
+        return self.kv_host_gib > 0 or (self.kv_disk_dir is not None and self.kv_disk_gib > 0)
+
+    def validate_tiers(self) -> None:
+        """Tier settings; called by LLMEngine (kept apart from __post_init__'s core checks)."""
+        for name in ("kv_host_gib", "kv_disk_gib"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or value < 0:
+                raise TierguardError(
+                    f"engine setting {name} must be a non-negative number of GiB, got {value!r}"
+                )
+        if self.kv_disk_gib > 0 and not self.kv_disk_dir:
+            raise TierguardError("a KV disk budget (--kv-disk-gib) needs a directory (--kv-disk-dir)")
+        if self.kv_disk_dir and self.kv_disk_gib <= 0:
+            raise TierguardError("--kv-disk-dir needs a positive --kv-disk-gib")
+        if self.naive_sync_disk and not (self.kv_disk_dir and self.kv_disk_gib > 0):
+            raise TierguardError("--kv-naive-sync-disk needs a disk tier (--kv-disk-dir and --kv-disk-gib)")
 
     @property
     def max_blocks_per_seq(self) -> int:

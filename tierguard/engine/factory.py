@@ -18,7 +18,8 @@ from tierguard.common.errors import TierguardError
 from tierguard.common.units import GIB
 from tierguard.engine.config import EngineConfig
 from tierguard.engine.llm_engine import LLMEngine
-from tierguard.engine.model_runner import kv_block_bytes
+from tierguard.engine.model_runner import KV_DTYPES, kv_block_bytes
+from tierguard.engine.weight_offload import WeightOffloader
 from tierguard.model.config import ModelConfig
 from tierguard.model.loader import load_model
 from tierguard.model.tokenizer import HFTokenizer
@@ -89,8 +90,15 @@ def build_engine(
     max_num_batched_tokens: int | None = None,
     max_model_len: int | None = None,
     enable_prefix_caching: bool = True,
+    kv_host_gib: float = 0.0,
+    kv_disk_dir: str | None = None,
+    kv_disk_gib: float = 0.0,
+    ttft_budget_ms: dict[str, float] | None = None,
+    naive_sync_disk: bool = False,
     model_name: str | None = None,
     num_threads: int | None = None,
+    kv_dtype: str = "auto",
+    weights_offload_gib: float | None = None,
 ) -> LLMEngine:
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)  # fail fast on a bad directory, before loading weights
@@ -109,8 +117,15 @@ def build_engine(
         raise TierguardError(f"block size must be a positive power of two, got {block_size}")
     _set_cpu_threads(device, num_threads)
     tokenizer = HFTokenizer(model_dir)
+    if kv_dtype not in KV_DTYPES:
+        raise TierguardError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    if weights_offload_gib is not None and weights_offload_gib < 0:
+        raise TierguardError(f"--weights-offload-gib must be >= 0, got {weights_offload_gib}")
     model, cfg, torch_dtype, dev = load_model(model_dir, dtype, device)
-    per_block = kv_block_bytes(cfg, block_size, torch_dtype)
+    # Weight offload has its own budget (R6); attached before the KV budget is measured,
+    # so on CUDA the device memory it frees goes to the KV pool.
+    WeightOffloader.attach(model, weights_offload_gib)
+    per_block = kv_block_bytes(cfg, block_size, torch_dtype, kv_dtype)  # scales included
     useful = max_num_seqs * (-(-max_model_len // block_size)) * per_block
     budget = kv_budget_bytes(dev, kv_cache_gib, kv_cache_fraction, useful)
     num_blocks = budget // per_block
@@ -129,6 +144,12 @@ def build_engine(
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
         enable_prefix_caching=enable_prefix_caching,
+        kv_host_gib=kv_host_gib,  # tiered KV store: tierguard/engine/tiers.py
+        kv_disk_dir=None if kv_disk_dir is None else str(kv_disk_dir),
+        kv_disk_gib=kv_disk_gib,
+        ttft_budget_ms=ttft_budget_ms,
+        naive_sync_disk=naive_sync_disk,
+        kv_dtype=kv_dtype,
     )
     return LLMEngine(
         model,

@@ -23,6 +23,8 @@ from tierguard.engine.prefix_hash import model_fingerprint
 from tierguard.engine.sampler import make_generator, sample
 from tierguard.engine.scheduler import Scheduler
 from tierguard.engine.sequence import FINISH_REASONS, Sequence, SequenceStatus
+from tierguard.engine.tiers import IDLE_SLEEP_S, EngineTiers
+from tierguard.kv.guard import decode_guard
 from tierguard.model.config import ModelConfig
 from tierguard.model.llama import LlamaModel
 
@@ -44,14 +46,26 @@ class LLMEngine:
         self.config = config
         self.model_name = model_name
         fingerprint = model_fingerprint(
-            vars(model_config), str(dtype), config.block_size, weights_id or model_name
+            vars(model_config),
+            # A quantized pool's blocks are not interchangeable with model-dtype ones.
+            str(dtype) if config.kv_dtype == "auto" else f"{dtype}+kv-{config.kv_dtype}",
+            config.block_size,
+            weights_id or model_name,
         )
         self.pool = BlockPool(config.num_blocks)
         self.block_manager = BlockManager(
             self.pool, config.block_size, fingerprint, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(config, self.block_manager)
-        self.runner = ModelRunner(model, model_config, config.num_blocks, config.block_size, dtype, device)
+        self.runner = ModelRunner(
+            model, model_config, config.num_blocks, config.block_size, dtype, device, kv_dtype=config.kv_dtype
+        )
+        self.tiers: EngineTiers | None = None
+        self.tier_stats_max_age_s = 0.0  # the async engine, which asks after every step, raises it
+        config.validate_tiers()
+        if config.tiers_enabled:
+            self.tiers = _make_tiers(self, weights_id or model_name, dtype)
+            self.scheduler.tiers = self.tiers
         self.eos_ids = set(model_config.eos_token_ids)
         if tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
@@ -118,17 +132,34 @@ class LLMEngine:
         return self._finish(seq, [])
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        """Also True while tier transfers are in flight, so their completions are polled
+        (a finished request's write-behind to disk is submitted from poll())."""
+        return self.scheduler.has_work() or (self.tiers is not None and self.tiers.busy())
+
+    def close(self) -> None:
+        """Finish in-flight tier writes (bounded) and stop the transfer workers."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         started = time.monotonic()
-        sched = self.scheduler.schedule()
+        if self.tiers is not None:
+            # Never waits: finished transfers only; loads that arrived rejoin the queue.
+            for seq in self.tiers.poll():
+                self.scheduler.requeue_front(seq)
+        # The cold contract's enforcement: nothing below may read the disk tier (the
+        # naive benchmark mode's tier counts such reads instead of refusing them).
+        with decode_guard():
+            sched = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
         # Classified before postprocessing moves num_computed_tokens.
         prefills = [s for s in sched.scheduled if s.seq.num_computed_tokens < s.seq.num_prompt_tokens]
+        if not sched.scheduled and self.tiers is not None and self.tiers.busy():
+            time.sleep(IDLE_SLEEP_S)  # only loads/transfers outstanding: idle, do not spin
         if sched.scheduled:
-            logits = self.runner.run(sched.scheduled)
+            with decode_guard():
+                logits = self.runner.run(sched.scheduled)
             sampling = [s.seq for s in sched.scheduled if s.samples]
             if self.logits_hook is not None and sampling:
                 self.logits_hook([s.seq_id for s in sampling], logits)
@@ -154,7 +185,9 @@ class LLMEngine:
             num_decode_seqs=len(sched.scheduled) - len(prefills),
             num_preempted=len(sched.preempted),
         )
-        for fn in self._listeners:
+        # An idle poll while only tier transfers are in flight is not a step worth a sample.
+        idle_poll = self.tiers is not None and not sched.scheduled and not sched.preempted
+        for fn in [] if idle_poll else self._listeners:
             fn(stats)
         return outputs
 
@@ -210,6 +243,9 @@ class LLMEngine:
                 "kv_blocks_cached": float(self.pool.num_cached_free),
                 "kv_block_evictions": float(self.pool.num_evictions),
                 "kv_block_size": float(self.config.block_size),
+                **self.runner.extra_stats(),  # KV bytes/token, weight offload gauges
+                # kv_* tier and contract counters
+                **(self.tiers.stats(self.tier_stats_max_age_s) if self.tiers is not None else {}),
             },
         )
 
@@ -220,6 +256,9 @@ class LLMEngine:
         for seq in self.scheduler.running:
             for b in seq.block_table:
                 refs[b] = refs.get(b, 0) + 1
+        if self.tiers is not None:  # loading sequences' blocks and in-flight transfer pins
+            for b, n in self.tiers.held_refs().items():
+                refs[b] = refs.get(b, 0) + n
         for b, r in enumerate(self.pool.ref_counts):
             if r != refs.get(b, 0):
                 raise RuntimeError(f"block {b}: ref count {r} but {refs.get(b, 0)} owners")
@@ -237,3 +276,15 @@ class LLMEngine:
                 if out.finished:
                     pending.discard(out.request_id)
         return [results[rid] for rid in ids]
+
+
+def _make_tiers(engine: LLMEngine, model_id: str, dtype: torch.dtype) -> EngineTiers:
+    """The tier store over the runner's device pool, keyed by model and KV layout."""
+    from tierguard.kv.spec import DevicePool, KVLayout, dtype_name, fingerprint
+
+    runner, cfg = engine.runner, engine.model_config
+    layout = getattr(runner, "kv_layout", None) or KVLayout(
+        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, engine.config.block_size, dtype_name(dtype)
+    )
+    pool = getattr(runner, "device_pool", None) or DevicePool([runner.kv_cache])
+    return EngineTiers(engine.config, engine.pool, pool, fingerprint(model_id, layout))

@@ -1,23 +1,43 @@
 """Turns a schedule into tensors and runs the model over the paged KV cache.
 
-Owns the one device tensor `kv_cache` ([layers, 2, blocks, block_size, kv_heads,
-head_dim]; see tierguard/model/attention.py). Knows nothing about scheduling policy.
+Owns the device KV pool (`device_pool`, a tierguard.kv.spec.DevicePool): the KV tensor
+`kv_cache` ([layers, 2, blocks, block_size, kv_heads, head_dim]; see
+tierguard/model/attention.py) and, when `kv_dtype` is fp8 or int8, the parallel scale
+tensor `kv_scale` ([layers, 2, blocks, block_size, kv_heads], float32). Both are indexed
+by the same block id, so the tiers move a block's quantized bytes and its scales
+together. Knows nothing about scheduling policy.
 """
 
 from __future__ import annotations
 
 import torch
 
+from tierguard.common.errors import TierguardError
 from tierguard.engine.scheduler import ScheduledSeq
+from tierguard.kv.spec import DevicePool, KVLayout, dtype_name
 from tierguard.model.attention import AttentionMetadata, PrefillChunk
 from tierguard.model.config import ModelConfig
 from tierguard.model.llama import LlamaModel
 
+KV_DTYPES = ("auto", "fp8", "int8")  # auto = the model dtype, no scales
 
-def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block across all layers: 2 x layers x block_size x kv_heads x head_dim x itemsize."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+def kv_layout(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_dtype: str = "auto") -> KVLayout:
+    """The device pool's layout for a model dtype and a `--kv-dtype` choice."""
+    if kv_dtype == "auto":
+        return KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, dtype_name(dtype))
+    if kv_dtype == "fp8":
+        return KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, "float8_e4m3fn", "fp8")
+    if kv_dtype == "int8":
+        return KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, "int8", "int8")
+    raise TierguardError(f"unknown --kv-dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_dtype: str = "auto") -> int:
+    """Device bytes of one block across all layers, scales included:
+    2 x layers x block_size x kv_heads x (head_dim x itemsize + 4 if quantized)."""
+    layout = kv_layout(cfg, block_size, dtype, kv_dtype)
+    return layout.data_bytes_per_block + layout.scale_bytes_per_block
 
 
 class ModelRunner:
@@ -29,23 +49,21 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        kv_dtype: str = "auto",
     ) -> None:
         self.model = model
         self.cfg = cfg
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
-        # Zeroed, not empty: padded decode gathers read real slots that the mask hides,
-        # and garbage NaNs there would still poison softmax @ V.
-        self.kv_cache = torch.zeros(
-            cfg.num_layers,
-            2,
-            num_blocks,
-            block_size,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            dtype=dtype,
-            device=device,
+        self.kv_dtype = kv_dtype
+        self.kv_layout = kv_layout(cfg, block_size, dtype, kv_dtype)
+        # Zeroed data and unit scales, not empty: padded decode gathers read real slots
+        # that the mask hides, and garbage NaNs there would still poison softmax @ V.
+        self.device_pool = DevicePool.allocate(self.kv_layout, num_blocks, device)
+        self.kv_cache = self.device_pool.tensors[0]
+        self.kv_scale: torch.Tensor | None = (
+            self.device_pool.tensors[1] if len(self.device_pool.tensors) > 1 else None
         )
 
     def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
@@ -115,8 +133,21 @@ class ModelRunner:
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         """Runs one step; returns float32 logits [num sampled rows, vocab] in sample order."""
         input_ids, positions, meta, sample_rows = self.prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, self.kv_scale)
         if not sample_rows:
             return torch.empty(0, self.cfg.vocab_size)
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden.index_select(0, rows)).float()
+
+    def extra_stats(self) -> dict[str, float]:
+        """Gauges for EngineStats.extra: KV bytes per token (scales included) and, when
+        weights are offloaded, the offload's size and its per-step copy cost."""
+        layout = self.kv_layout
+        out = {
+            "kv_bytes_per_token": float(layout.bytes_per_token()),
+            "kv_quantized": float(layout.quantization != "none"),
+        }
+        offloader = self.model.weight_offloader
+        if offloader is not None:
+            out.update(offloader.stats().as_gauges())
+        return out

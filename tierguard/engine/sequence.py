@@ -61,6 +61,8 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.num_preemptions = 0
+        self.queued_at = arrival  # when it last entered the waiting queue (admission aging)
+        self.tier_checked = False  # host/disk tiers already consulted for this stage of work
         self.generator = None  # torch.Generator when params.seed is set
         self.stop_reason: str | None = None
 

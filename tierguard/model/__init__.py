@@ -2,7 +2,7 @@
 
 config.py     ModelConfig from config.json
 layers.py     RMSNorm, rotary embeddings (incl. Llama 3 scaling), SwiGLU
-attention.py  attention over the paged KV cache (layout documented there)
+attention.py  attention over the paged KV cache, model dtype or fp8/int8 + scales (layout there)
 llama.py      the decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3)
 loader.py     safetensors (incl. sharded) -> model on a device/dtype
 tokenizer.py  `tokenizers`-based tokenizer with a jinja2 chat template

@@ -8,6 +8,16 @@ so one block across all layers is `kv_cache[:, :, block_id]`. A token's "slot" i
 `block_id * block_size + offset`; viewing one layer's K as [num_blocks * block_size,
 kv_heads, head_dim] turns block tables into plain gathers.
 
+A quantized pool (`--kv-dtype fp8|int8`, see tierguard/kv/quant.py) stores int8 or
+float8_e4m3fn values plus a parallel float32 scale tensor indexed by the same block id:
+
+    kv_scale: [num_layers, 2, num_blocks, block_size, num_kv_heads]   (one scale per token-head)
+
+K/V are quantized when written and only the gathered pages are dequantized, to the
+compute dtype, right before SDPA. A prefill chunk with nothing cached attends to its own
+unquantized K/V (they are in registers anyway); everything read back from the pool went
+through quantization.
+
 A forward pass covers a flat batch of tokens, ordered: all decode tokens first (one per
 sequence), then each prefill chunk. Decodes are batched into one SDPA call with a padding
 mask; each prefill chunk gets its own call (causal inside the chunk, full over the cached
@@ -16,10 +26,16 @@ prefix).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from tierguard.kv.quant import dequantize, quantize
+
+# Pool dtype -> tierguard.kv.quant mode name.
+QUANT_MODE_OF = {torch.int8: "int8", torch.float8_e4m3fn: "fp8"}
 
 
 @dataclass
@@ -44,28 +60,75 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """A same-size integer view: CPU kernels lack index_copy_ for float8."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _store(
+    kv_layer: torch.Tensor,
+    scale_layer: torch.Tensor | None,
+    slots: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    kvh, d = k.shape[1], k.shape[2]
+    for idx, x in ((0, k), (1, v)):
+        flat = kv_layer[idx].view(-1, kvh, d)
+        if scale_layer is None:
+            flat.index_copy_(0, slots, x)
+            continue
+        q, scale = quantize(x, QUANT_MODE_OF[kv_layer.dtype])
+        _raw(flat).index_copy_(0, slots, _raw(q))
+        scale_layer[idx].view(-1, kvh).index_copy_(0, slots, scale)
+
+
+def _gather(
+    kv_layer: torch.Tensor,
+    scale_layer: torch.Tensor | None,
+    idx: int,
+    blocks: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Blocks [n, block_size, KV, D] of K (idx 0) or V (1), dequantized to `dtype`."""
+    pages = _raw(kv_layer[idx]).index_select(0, blocks)
+    if scale_layer is None:
+        return pages
+    scales = scale_layer[idx].index_select(0, blocks)
+    if kv_layer.dtype == torch.float8_e4m3fn and pages.device.type == "cpu":
+        # CPU float8 -> float32 casts take a slow scalar path; a 256-entry table lookup
+        # gives the same values about 4x faster.
+        values = _fp8_table().index_select(0, pages.reshape(-1).int()).view(pages.shape)
+        return (values * scales.unsqueeze(-1)).to(dtype)
+    return dequantize(pages.view(kv_layer.dtype), scales, dtype)
+
+
+@functools.cache
+def _fp8_table() -> torch.Tensor:
+    """float32 value of every e4m3 bit pattern (CPU)."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     kv_layer: torch.Tensor,
     meta: AttentionMetadata,
+    scale_layer: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KV, D]; kv_layer: [2, N, bs, KV, D]. Returns [T, H * D].
 
+    `scale_layer` ([2, N, bs, KV]) is given exactly when the pool is quantized.
     Writes this step's K/V into the cache first, so decodes read their own token back.
     """
     t, h, d = q.shape
     kvh = k.shape[1]
     group = h // kvh
-    k_blocks, v_blocks = kv_layer[0], kv_layer[1]  # [N, bs, KV, D]
-    k_flat = k_blocks.view(-1, kvh, d)
-    v_flat = v_blocks.view(-1, kvh, d)
     # index_copy_/index_select with 1-D indices: advanced indexing with a 2-D index costs
     # time proportional to the whole cache on CPU. Reads gather whole blocks (fewer,
     # larger copies than per-slot gathers).
-    k_flat.index_copy_(0, meta.slot_mapping, k)
-    v_flat.index_copy_(0, meta.slot_mapping, v)
+    _store(kv_layer, scale_layer, meta.slot_mapping, k, v)
     out = torch.empty(t, h * d, dtype=q.dtype, device=q.device)
 
     b = meta.num_decodes
@@ -73,8 +136,8 @@ def paged_attention(
         # Fold the GQA group into the query-length axis: [B, KV, G, D] against [B, KV, L, D].
         qd = q[:b].view(b, kvh, group, d)
         flat = meta.decode_blocks.view(-1)
-        kd = k_blocks.index_select(0, flat).view(b, -1, kvh, d).transpose(1, 2)
-        vd = v_blocks.index_select(0, flat).view(b, -1, kvh, d).transpose(1, 2)
+        kd = _gather(kv_layer, scale_layer, 0, flat, q.dtype).view(b, -1, kvh, d).transpose(1, 2)
+        vd = _gather(kv_layer, scale_layer, 1, flat, q.dtype).view(b, -1, kvh, d).transpose(1, 2)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
         out[:b] = od.reshape(b, h * d)
 
@@ -87,18 +150,10 @@ def paged_attention(
             op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=group > 1)
         else:
             ctx = chunk.num_cached + n
-            kp = (
-                k_blocks.index_select(0, chunk.context_blocks)
-                .view(-1, kvh, d)[:ctx]
-                .transpose(0, 1)
-                .unsqueeze(0)
-            )
-            vp = (
-                v_blocks.index_select(0, chunk.context_blocks)
-                .view(-1, kvh, d)[:ctx]
-                .transpose(0, 1)
-                .unsqueeze(0)
-            )
+            blocks = chunk.context_blocks
+            kp = _gather(kv_layer, scale_layer, 0, blocks, q.dtype).view(-1, kvh, d)[:ctx]
+            vp = _gather(kv_layer, scale_layer, 1, blocks, q.dtype).view(-1, kvh, d)[:ctx]
+            kp, vp = kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0)
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=chunk.mask, enable_gqa=group > 1)
         out[chunk.start : chunk.end] = op.squeeze(0).transpose(0, 1).reshape(n, h * d)
     return out

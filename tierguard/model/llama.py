@@ -7,12 +7,17 @@ batch of tokens; logits are computed only for the rows the sampler needs.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from tierguard.model.attention import AttentionMetadata, paged_attention
 from tierguard.model.config import ModelConfig
 from tierguard.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+
+if TYPE_CHECKING:
+    from tierguard.engine.weight_offload import WeightOffloader
 
 
 class Attention(nn.Module):
@@ -34,6 +39,7 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_layer: torch.Tensor,
         meta: AttentionMetadata,
+        scale_layer: torch.Tensor | None = None,
     ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -44,7 +50,7 @@ class Attention(nn.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         q, k = apply_rotary(q, k, *rope)
-        return self.o_proj(paged_attention(q, k, v, kv_layer, meta))
+        return self.o_proj(paged_attention(q, k, v, kv_layer, meta, scale_layer))
 
 
 class DecoderLayer(nn.Module):
@@ -61,8 +67,9 @@ class DecoderLayer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_layer: torch.Tensor,
         meta: AttentionMetadata,
+        scale_layer: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_layer, meta)
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_layer, meta, scale_layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -79,6 +86,9 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, device
         )
+        # Set by WeightOffloader.attach when some decoder layers live in host memory; it
+        # streams them in through forward pre-hooks, so forward() itself is unchanged.
+        self.weight_offloader: WeightOffloader | None = None
 
     def forward(
         self,
@@ -86,12 +96,16 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: [T]. Returns final-normed hidden states [T, hidden]."""
+        """input_ids, positions: [T]. Returns final-normed hidden states [T, hidden].
+
+        `kv_scale` is the quantized pool's scale tensor (None for a model-dtype pool).
+        """
         x = self.embed_tokens(input_ids)
         rope = self.rotary.tables(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, kv_cache[i], meta)
+            x = layer(x, rope, kv_cache[i], meta, None if kv_scale is None else kv_scale[i])
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

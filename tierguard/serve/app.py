@@ -145,15 +145,21 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    s = request.app[STATE_KEY].engine.stats()
-    return web.json_response(
-        {
-            "status": "ok",
-            "num_running": s.num_running,
-            "num_waiting": s.num_waiting,
-            "kv_cache_usage": s.kv_usage,
-        }
-    )
+    engine = request.app[STATE_KEY].engine
+    s = engine.stats()
+    body = {
+        "status": "ok",
+        "num_running": s.num_running,
+        "num_waiting": s.num_waiting,
+        "kv_cache_usage": s.kv_usage,
+    }
+    # A broken disk tier degrades the server but does not stop it: still 200 and serving.
+    tiers = engine.tier_health() if hasattr(engine, "tier_health") else None
+    if tiers is not None:
+        body["kv_tiers"] = tiers
+        if not tiers["disk_healthy"]:
+            body["status"] = "degraded"
+    return web.json_response(body)
 
 
 async def version(request: web.Request) -> web.Response:

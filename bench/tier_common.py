@@ -1,0 +1,131 @@
+"""Shared by the tier benchmarks: a `tierguard serve` subprocess, a streaming client, /metrics.
+
+The client sends /v1/completions with token-id prompts (no tokenizer round trip, exact
+lengths), greedy and `ignore_eos`, and records when each content event arrives. TTFT is
+send -> first event; ITL is the gap between consecutive events of one stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+READY = "tierguard serve: ready on "
+LOG_DIR = Path(tempfile.gettempdir()) / "tierguard_bench_logs"
+
+
+@dataclass
+class Stream:
+    name: str
+    sent: float
+    events: list[float] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.events[0] - self.sent if self.events else None
+
+    @property
+    def itls_s(self) -> list[float]:
+        return [b - a for a, b in zip(self.events, self.events[1:], strict=False)]
+
+
+def pct(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..100); None for no values."""
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, int(round(q / 100 * len(s) + 0.5)) - 1))]
+
+
+def ms(v: float | None) -> float | None:
+    return None if v is None else round(1000 * v, 2)
+
+
+@contextlib.contextmanager
+def serve(name: str, flags: list[str], env: dict[str, str] | None = None) -> Iterator[str]:
+    """Start `tierguard serve --port 0 ...`, yield its base URL, stop it with SIGTERM."""
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "tierguard", "serve", "--model", "tiny", "--port", "0", *flags]
+    err = open(LOG_DIR / f"{name}.stderr.log", "w")  # noqa: SIM115 - closed in finally
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=full_env, start_new_session=True
+    )
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        if not line.startswith(READY):
+            raise RuntimeError(f"{name}: server did not start: {line!r}; see {err.name}")
+        yield line[len(READY) :].split()[0]
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        err.close()
+
+
+async def stream_completion(
+    session: aiohttp.ClientSession, url: str, name: str, prompt: list[int], max_tokens: int, **extra
+) -> Stream:
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        **extra,
+    }
+    s = Stream(name, time.perf_counter())
+    try:
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                s.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return s
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:") or line == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                if any(c.get("text") for c in chunk.get("choices") or []):
+                    s.events.append(time.perf_counter())
+    except aiohttp.ClientError as e:
+        s.error = str(e)
+    return s
+
+
+async def scrape(session: aiohttp.ClientSession, url: str, prefix: str = "tierguard:engine_kv_") -> dict:
+    """Gauges whose names start with `prefix` (label-free values), plus preemptions."""
+    async with session.get(url + "/metrics") as resp:
+        text = await resp.text()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name.startswith(prefix) or name in ("vllm:num_preemptions_total", "vllm:num_preemptions"):
+            out[name.removeprefix("tierguard:engine_")] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def token_prompt(seed: int, n: int, vocab: int = 4000) -> list[int]:
+    """A deterministic prompt of `n` token ids (distinct per seed, no prefix sharing)."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(10, vocab) for _ in range(n)]

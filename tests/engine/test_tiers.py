@@ -1,0 +1,174 @@
+"""The tiered KV store wired into the engine: same greedy outputs with tiers on and off,
+swap to host and back, prefix reload from host and from disk, the decode guard, naive mode."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import make_engine, prompt_ids
+
+from tierguard.common.errors import TierguardError
+from tierguard.engine.api import SamplingParams
+from tierguard.engine.sequence import SequenceStatus
+from tierguard.kv.guard import ColdContractViolation, decode_guard
+
+GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+PROMPTS = [prompt_ids(100 + i, 36 + 9 * i) for i in range(5)]
+TIGHT = 48  # blocks of 4 tokens: too few for the five sequences at once
+
+
+def run(engine, prompts, params=GREEDY, check=True) -> list[list[int]]:
+    """Drive the engine step by step, checking pool integrity after every step."""
+    ids = [f"q{engine.step_count}-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts, strict=True):
+        engine.add_request(rid, p, params)
+    out: dict[str, list[int]] = {rid: [] for rid in ids}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id].extend(o.new_token_ids)
+        if check:
+            engine.check_integrity()
+    return [out[rid] for rid in ids]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir):
+    return run(make_engine(tiny_dir), PROMPTS)
+
+
+def extra(engine) -> dict[str, float]:
+    return engine.stats().extra
+
+
+def test_swap_to_host_and_back_keeps_greedy_outputs(tiny_dir, reference):
+    engine = make_engine(tiny_dir, num_blocks=TIGHT, kv_host_gib=0.01)
+    try:
+        assert run(engine, PROMPTS) == reference
+        x = extra(engine)
+        assert engine.stats().num_preemptions > 0
+        assert x["kv_swap_out_blocks"] > 0  # preempted state went to host RAM
+        assert x["kv_blocks_loaded"] > 0 and x["kv_host_hits"] > 0  # and came back from it
+        assert x["kv_loading_seqs"] == 0
+    finally:
+        engine.close()
+    engine.check_integrity()
+
+
+def test_prefix_reload_from_host(tiny_dir, reference):
+    engine = make_engine(tiny_dir, kv_host_gib=0.01)
+    try:
+        assert run(engine, PROMPTS[:2]) == reference[:2]
+        engine.pool.evict_all_cached()  # the device forgets; host RAM still has the blocks
+        before = extra(engine)["kv_host_hits"]
+        assert run(engine, PROMPTS[:2]) == reference[:2]
+        assert extra(engine)["kv_host_hits"] > before
+    finally:
+        engine.close()
+
+
+def test_prefix_reload_from_disk_after_restart(tiny_dir, reference, tmp_path):
+    tiers = dict(kv_host_gib=0.01, kv_disk_dir=str(tmp_path), kv_disk_gib=0.05)
+    first = make_engine(tiny_dir, **tiers)
+    assert run(first, PROMPTS[:1]) == reference[:1]
+    first.close()  # write-behind to disk finishes here
+    assert extra(first)["kv_persisted_blocks"] > 0
+    second = make_engine(tiny_dir, **tiers)  # a new process would see the same directory
+    try:
+        assert run(second, PROMPTS[:1]) == reference[:1]
+        x = extra(second)
+        assert x["kv_disk_hits"] > 0 and x["kv_blocks_loaded_from_disk"] > 0
+        assert x["kv_disk_reads_in_decode"] == 0
+    finally:
+        second.close()
+
+
+def test_decode_path_cannot_read_disk(tiny_dir, reference, tmp_path):
+    """A workload staged from disk while every step runs inside the decode guard: the
+    reads happen (disk hits) and none of them on the engine thread inside a step."""
+    tiers = dict(kv_host_gib=0.01, kv_disk_dir=str(tmp_path), kv_disk_gib=0.05)
+    first = make_engine(tiny_dir, **tiers)
+    run(first, PROMPTS)
+    first.close()
+    engine = make_engine(tiny_dir, num_blocks=TIGHT, **tiers)
+    try:
+        disk = engine.tiers.store.disk
+        with decode_guard(), pytest.raises(ColdContractViolation):
+            disk.read_into(next(iter(disk._index)), bytearray(engine.tiers.store.manager.host.block_bytes))
+        assert run(engine, PROMPTS) == reference
+        x = extra(engine)
+        assert x["kv_disk_hits"] > 0
+        assert x["kv_disk_reads_in_decode"] == 0
+    finally:
+        engine.close()
+
+
+def test_naive_mode_reads_disk_inside_the_step_and_counts_it(tiny_dir, reference, tmp_path):
+    engine = make_engine(
+        tiny_dir,
+        num_blocks=40,
+        kv_host_gib=0.001,
+        kv_disk_dir=str(tmp_path),
+        kv_disk_gib=0.05,
+        naive_sync_disk=True,
+    )
+    try:
+        assert run(engine, PROMPTS) == reference
+        x = extra(engine)
+        assert x["kv_naive_page_outs"] > 0 and x["kv_naive_page_ins"] > 0
+        assert x["kv_naive_sync_reads"] > 0
+        assert x["kv_disk_reads_in_decode"] >= x["kv_naive_sync_reads"]
+        assert x["kv_naive_paged_out_seqs"] == 0
+    finally:
+        engine.close()
+
+
+def test_long_request_waits_for_room_instead_of_thrashing(tiny_dir):
+    """With tiers, admission needs room for the whole prompt: a long prompt waits while
+    short ones run, and no sequence is preempted to make room for it."""
+    engine = make_engine(tiny_dir, num_blocks=40, kv_host_gib=0.01, max_num_batched_tokens=16)
+    try:
+        short = [prompt_ids(7 + i, 12) for i in range(3)]
+        long = prompt_ids(99, 120)
+        for i, p in enumerate(short):
+            engine.add_request(f"s{i}", p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        engine.add_request("long", long, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        engine.step()
+        assert engine.seqs["long"].status is SequenceStatus.WAITING
+        while engine.has_unfinished():
+            engine.step()
+            engine.check_integrity()
+        assert engine.stats().num_preemptions == 0
+    finally:
+        engine.close()
+
+
+def test_bad_tier_settings_are_refused(tiny_dir, tmp_path):
+    with pytest.raises(TierguardError, match="kv-disk-dir"):
+        make_engine(tiny_dir, kv_disk_gib=1.0)
+    with pytest.raises(TierguardError, match="naive"):
+        make_engine(tiny_dir, kv_host_gib=0.01, naive_sync_disk=True)
+
+
+def test_interactive_request_swaps_a_running_batch_one_to_host(tiny_dir):
+    """A batch request holds most of the pool; interactive ones that do not fit make the
+    scheduler swap it out to host RAM; it is restored later and every output is exact."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    long, shorts = prompt_ids(77, 100), [prompt_ids(80 + i, 40) for i in range(2)]
+    expected = make_engine(tiny_dir).generate([long, *shorts], params)
+    engine = make_engine(tiny_dir, num_blocks=48, kv_host_gib=0.01)
+    try:
+        out: dict[str, list[int]] = {"batch": [], "i0": [], "i1": []}
+        engine.add_request("batch", long, params, request_class="batch")
+        for step in range(10_000):
+            if step == 3:  # the batch request is decoding by now
+                for i, p in enumerate(shorts):
+                    engine.add_request(f"i{i}", p, params)
+            elif step > 3 and not engine.has_unfinished():
+                break
+            for o in engine.step():
+                out[o.request_id].extend(o.new_token_ids)
+            engine.check_integrity()
+        assert [out["batch"], out["i0"], out["i1"]] == expected
+        assert engine.stats().num_preemptions >= 1
+        assert extra(engine)["kv_swap_out_blocks"] > 0
+    finally:
+        engine.close()

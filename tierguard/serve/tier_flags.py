@@ -1,0 +1,85 @@
+"""`tierguard serve` flags of the tiered KV store and the cold contract.
+
+Kept out of cli/serve.py so that file stays small; imports nothing heavy (no torch), as
+the CLI requires. Validation happens here, before the model loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+from tierguard.common.errors import TierguardError
+
+
+def add_tier_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("tiered KV store (host RAM and NVMe) and the cold contract")
+    g.add_argument(
+        "--kv-host-gib",
+        type=float,
+        default=0.0,
+        help="host-RAM KV tier budget: evicted prefix blocks and preempted sequences (default 0: off)",
+    )
+    g.add_argument(
+        "--kv-disk-dir", default=None, help="NVMe KV tier directory (prefix blocks only; survives restarts)"
+    )
+    g.add_argument("--kv-disk-gib", type=float, default=0.0, help="NVMe KV tier budget (needs --kv-disk-dir)")
+    g.add_argument(
+        "--ttft-budget-ms",
+        default=None,
+        help="TTFT budget per request class, e.g. 'interactive=1000,batch=30000'; staging from "
+        "disk gets half of it, then interactive recomputes and batch keeps waiting",
+    )
+    g.add_argument(
+        "--kv-naive-sync-disk",
+        action="store_true",
+        help="BENCHMARK ONLY: spill running sequences' KV to the disk tier and read it back "
+        "synchronously inside the step (the failure mode the contract prevents)",
+    )
+
+
+def tier_kwargs(args: argparse.Namespace) -> dict:
+    """Engine keyword arguments for the tier flags; raises TierguardError on bad input."""
+    from tierguard.kv.contract import parse_ttft_budgets
+
+    host = getattr(args, "kv_host_gib", 0.0) or 0.0
+    disk_gib = getattr(args, "kv_disk_gib", 0.0) or 0.0
+    disk_dir = getattr(args, "kv_disk_dir", None)
+    naive = bool(getattr(args, "kv_naive_sync_disk", False))
+    if host < 0:
+        raise TierguardError(f"--kv-host-gib must be >= 0, got {host}")
+    if disk_gib < 0:
+        raise TierguardError(f"--kv-disk-gib must be >= 0, got {disk_gib}")
+    if disk_dir is not None and disk_gib <= 0:
+        raise TierguardError("--kv-disk-dir needs a positive --kv-disk-gib")
+    if disk_gib > 0 and disk_dir is None:
+        raise TierguardError("--kv-disk-gib needs --kv-disk-dir")
+    if disk_dir is not None and Path(disk_dir).exists() and not Path(disk_dir).is_dir():
+        raise TierguardError(f"--kv-disk-dir {disk_dir!r} exists and is not a directory")
+    if naive and disk_dir is None:
+        raise TierguardError("--kv-naive-sync-disk needs a disk tier (--kv-disk-dir and --kv-disk-gib)")
+    budgets = getattr(args, "ttft_budget_ms", None)
+    return {
+        "kv_host_gib": host,
+        "kv_disk_dir": disk_dir,
+        "kv_disk_gib": disk_gib,
+        "ttft_budget_ms": parse_ttft_budgets(budgets) if budgets else None,
+        "naive_sync_disk": naive,
+    }
+
+
+def request_class_of(raw_body: bytes, headers: Mapping[str, str], declared: str) -> str:
+    """The request class for the engine: tierguard's own `request_class` field when the
+    body has it (the gate sets it), else the `x-tierguard-class` header or the OpenAI-style
+    `priority` / `service_tier` fields (tierguard.kv.contract.classify_request)."""
+    from tierguard.kv.contract import classify_request
+
+    try:
+        body = json.loads(raw_body)
+    except ValueError:
+        return declared
+    if not isinstance(body, dict) or "request_class" in body:
+        return declared
+    return classify_request(body, headers)
