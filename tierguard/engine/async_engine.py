@@ -15,6 +15,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 from tierguard.common.errors import TierguardError
 from tierguard.engine.api import EngineStats, RequestOutput, SamplingParams, StepStats
@@ -43,55 +44,15 @@ class AsyncLLMEngine:
         self._error: BaseException | None = None
 
     @classmethod
-    def from_model_dir(
-        cls,
-        model_dir: str | Path,
-        *,
-        dtype: str = "auto",
-        device: str = "auto",
-        kv_cache_gib: float | None = None,
-        kv_cache_fraction: float | None = None,
-        block_size: int = 16,
-        max_num_seqs: int = 128,
-        max_num_batched_tokens: int | None = None,
-        max_model_len: int | None = None,
-        enable_prefix_caching: bool = True,
-        kv_host_gib: float = 0.0,
-        kv_disk_dir: str | None = None,
-        kv_disk_gib: float = 0.0,
-        ttft_budget_ms: dict[str, float] | None = None,
-        naive_sync_disk: bool = False,
-        model_name: str | None = None,
-        num_threads: int | None = None,
-        kv_dtype: str = "auto",
-        weights_offload_gib: float | None = None,
-    ) -> AsyncLLMEngine:
-        """Load a local HF model directory; see tierguard/engine/factory.py for the KV budget."""
+    def from_model_dir(cls, model_dir: str | Path, **options: Any) -> AsyncLLMEngine:
+        """Load a local HF model directory.
+
+        `options` are `build_engine`'s keyword arguments (tierguard/engine/factory.py):
+        dtype, device, the KV budget, batching limits, tiers, kv_dtype, weight offload.
+        """
         from tierguard.engine.factory import build_engine
 
-        return cls(
-            build_engine(
-                model_dir,
-                dtype=dtype,
-                device=device,
-                kv_cache_gib=kv_cache_gib,
-                kv_cache_fraction=kv_cache_fraction,
-                block_size=block_size,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len,
-                enable_prefix_caching=enable_prefix_caching,
-                kv_host_gib=kv_host_gib,
-                kv_disk_dir=kv_disk_dir,
-                kv_disk_gib=kv_disk_gib,
-                ttft_budget_ms=ttft_budget_ms,
-                naive_sync_disk=naive_sync_disk,
-                model_name=model_name,
-                num_threads=num_threads,
-                kv_dtype=kv_dtype,
-                weights_offload_gib=weights_offload_gib,
-            )
-        )
+        return cls(build_engine(model_dir, **options))
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:

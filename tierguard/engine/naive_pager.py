@@ -8,7 +8,9 @@ running set. When its turn comes in a later step, its blocks are read back
 synchronously inside that step (paging out someone else if needed) before the model
 runs. With a working set larger than the pool, every step writes and reads blocks on
 the decode path; each such read is counted by the disk tier (`reads_in_decode`) and
-the time the engine thread spent blocked is counted here.
+the time the engine thread spent blocked is counted here. Spilled blocks are dropped
+from the page cache right after they are written (see tierguard/kv/naive.py), so the
+read-back waits for the device, as it would with NVMe used as VRAM on a real server.
 
 A paged-out sequence holds no device blocks and keeps `num_computed_tokens`.
 """
@@ -108,4 +110,6 @@ class NaivePager:
             "kv_naive_spills": float(n.spills),
             "kv_naive_sync_reads": float(n.restores),
             "kv_naive_stall_ms": 1000 * n.stall_s,
+            # Spilled blocks whose page-cache copy was dropped: their reads wait for the device.
+            "kv_naive_uncached_spills": float(n.dropped),
         }

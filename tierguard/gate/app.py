@@ -59,7 +59,9 @@ async def health(request: web.Request) -> web.Response:
         upstream.update(ok=False, error=type(exc).__name__)
     stats = state.controller.stats()
     body = {"status": "ok" if upstream["ok"] else "upstream_down", "upstream": upstream,
-            "token_counter": state.counter.source, "queued": stats.queued, "in_flight": stats.in_flight,
+            "token_counter": state.counter.source,
+            "token_counts": {"exact": state.counter.exact_counts, "byte_bound": state.counter.bound_skips},
+            "queued": stats.queued, "in_flight": stats.in_flight,
             "consecutive_upstream_failures": state.upstream_failures}
     return web.json_response(body, status=200 if upstream["ok"] else 503)
 

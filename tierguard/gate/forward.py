@@ -38,6 +38,7 @@ class UpstreamError(Exception):
 class ForwardResult:
     status: int
     output_tokens: int | None = None
+    prompt_tokens: int | None = None  # from the upstream's usage, when it sent one
     first_chunk_at: float | None = None  # time.monotonic() of the first byte sent to the client
     ended_at: float = 0.0
     client_left: bool = False
@@ -91,8 +92,7 @@ async def relay(request: web.Request, upstream: aiohttp.ClientResponse, extra_he
         if upstream.status != 200 or "text/event-stream" not in ctype:
             raw = await upstream.read()
             result.first_chunk_at = time.monotonic()
-            m = _USAGE.search(raw)
-            result.output_tokens = int(m.group(1)) if m else None
+            result.output_tokens, result.prompt_tokens = _usage(raw)
             resp = web.Response(body=raw, status=upstream.status, headers={"Content-Type": ctype, **extra_headers})
             result.response = resp
             result.ended_at = time.monotonic()
@@ -103,23 +103,29 @@ async def relay(request: web.Request, upstream: aiohttp.ClientResponse, extra_he
         content = upstream.content
         async with asyncio.timeout(first_byte_timeout_s):
             first = await content.readany()
-        await resp.prepare(request)
+        await resp.prepare(request)  # headers leave with the first chunk
+        # The hot loop: per chunk one read of everything the upstream has sent, one write,
+        # one clock read, one substring count; usage is parsed only in chunks that carry it.
         events, usage = 0, None
-        last = time.monotonic()
-        chunk = first
+        write, readany, monotonic = resp.write, content.readany, time.monotonic
+        chunk, last = first, 0.0
+        if chunk:
+            await write(chunk)
+            last = result.first_chunk_at = monotonic()
         while chunk:
-            await resp.write(chunk)
-            now = time.monotonic()
-            if result.first_chunk_at is None:
-                result.first_chunk_at = now
-            elif on_chunk_gap is not None:
-                on_chunk_gap(now - last)
-            last = now
             events += chunk.count(b"data:")
             if b'"usage"' in chunk:
-                m = _USAGE.search(chunk)
-                usage = int(m.group(1)) if m else usage
-            chunk = await content.readany()
+                found, prompt = _usage(chunk)
+                usage = found if found is not None else usage
+                result.prompt_tokens = prompt if prompt is not None else result.prompt_tokens
+            chunk = await readany()
+            if not chunk:
+                break
+            await write(chunk)
+            now = monotonic()
+            if on_chunk_gap is not None:
+                on_chunk_gap(now - last)
+            last = now
         if events:
             # without usage, count content events: one per chunk minus [DONE]
             result.output_tokens = usage if usage is not None else max(0, events - 1)
@@ -139,6 +145,12 @@ async def relay(request: web.Request, upstream: aiohttp.ClientResponse, extra_he
             upstream.release()
         result.ended_at = time.monotonic()
     return result
+
+
+def _usage(raw: bytes) -> tuple[int | None, int | None]:
+    """(completion_tokens, prompt_tokens) from a body or chunk that carries usage."""
+    out, prompt = _USAGE.search(raw), _PROMPT_USAGE.search(raw)
+    return (int(out.group(1)) if out else None), (int(prompt.group(1)) if prompt else None)
 
 
 async def _end_stream(result: ForwardResult, message: str) -> None:

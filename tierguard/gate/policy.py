@@ -72,6 +72,7 @@ class GateSettings:
     body_timeout_s: float = 10.0  # a client must send its whole body within this
     max_body_bytes: int = 8 * 1024 * 1024
     upstream_pool: int = 1024  # connections kept to the upstream
+    exact_token_count: bool = False  # count every request with the tokenizer (no byte bound)
     policy: AdmissionPolicy = field(default_factory=AdmissionPolicy)
 
     def validate(self) -> GateSettings:
@@ -91,6 +92,8 @@ class GateSettings:
             _positive_int(getattr(self, name), name)
         if self.tokenizer is not None and not (Path(self.tokenizer) / "tokenizer.json").is_file():
             raise TierguardError(f"--tokenizer {self.tokenizer!r}: no tokenizer.json in that directory")
+        if not isinstance(self.exact_token_count, bool):
+            raise TierguardError(f"exact_token_count must be true or false, got {self.exact_token_count!r}")
         if any(not k for k in self.api_keys):
             raise TierguardError("an API key is empty")
         self.policy.validate()

@@ -48,8 +48,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
         if priority not in ("interactive", "batch"):
             return _done(state, rec, arrived, error_response(
                 400, f"{PRIORITY_HEADER} must be 'interactive' or 'batch'"), "bad_request")
-        n = await state.counter.count_body(body, chat)
-        rec.input_tokens = n
+        counted = await state.counter.count_for_admission(body, chat, _decision_limit(state))
+        n = rec.input_tokens = counted.tokens
+        rec.token_count = counted.method
+        state.metrics.token_counts.labels(counted.method).inc()
         if as_async:
             return _done(state, rec, arrived, _hand_off(state, route, body, n, rec, "requested"), "requested", "async")
         info = RequestInfo(input_tokens=n, priority=priority, can_downgrade=chat and can_trim(body.get("messages")))
@@ -110,6 +112,8 @@ async def _forward(state: GateState, request: web.Request, route: str, body: dic
     else:
         state.upstream_failures = 0
     rec.status, rec.output_tokens = result.status, result.output_tokens
+    if rec.token_count == "byte_bound" and result.prompt_tokens is not None:
+        rec.input_tokens, rec.token_count = result.prompt_tokens, "upstream_usage"
     if result.first_chunk_at is not None:
         rec.ttft_ms = round((result.first_chunk_at - arrived) * 1000, 3)
         state.metrics.ttft.labels(ticket.klass).observe(result.first_chunk_at - arrived)
@@ -119,6 +123,13 @@ async def _forward(state: GateState, request: web.Request, route: str, body: dic
     state.metrics.e2e.labels(ticket.klass).observe(result.ended_at - arrived)
     _log(state, rec, arrived)
     return result.response
+
+
+def _decision_limit(state: GateState) -> int:
+    """The smallest input-token count that could change admission: long at the threshold,
+    over the cap above max_input_tokens. Counts below it all decide alike."""
+    p = state.controller.policy
+    return p.long_threshold if p.max_input_tokens is None else min(p.long_threshold, p.max_input_tokens + 1)
 
 
 def _hand_off(state: GateState, route: str, body: dict, n: int, rec: RequestRecord, reason: str) -> web.Response:

@@ -22,6 +22,9 @@ class RequestRecord:
     model: str | None = None
     klass: str | None = None
     input_tokens: int | None = None
+    # how input_tokens was found: exact | estimate | byte_bound (not counted, surely short;
+    # the figure is an estimate) | upstream_usage (byte_bound, then the upstream's prompt_tokens)
+    token_count: str | None = None
     output_tokens: int | None = None
     queue_wait_ms: float | None = None
     decision: str = "admit"

@@ -47,9 +47,9 @@ class GateState:
         upstream = Upstream(session, s.upstream, headers, s.first_byte_timeout_s)
         counter: TokenCounter
         if s.tokenizer:
-            counter = LocalTokenizer(s.tokenizer)
+            counter = LocalTokenizer(s.tokenizer, use_byte_bound=not s.exact_token_count)
         else:
-            remote = UpstreamTokenizer(session, s.upstream, headers)
+            remote = UpstreamTokenizer(session, s.upstream, headers, use_byte_bound=not s.exact_token_count)
             counter = remote if await remote.probe() else TokenCounter()
         log.info("token counting: %s", counter.source)
         reqlog = RequestLog(s.log, s.log_prompts)

@@ -8,16 +8,26 @@ and named in the log:
   Chat is counted as the sum of its message texts plus a small per-message overhead;
   that approximates the chat template without needing one;
 - the upstream's `/tokenize` endpoint (vLLM, SGLang and our schedule server have it),
-  one extra loopback round trip per request, exact for the upstream's own template;
+  exact for the upstream's own template but one extra loopback round trip;
 - a last-resort estimate of one token per 4 characters.
+
+Why most requests are not counted exactly (the byte bound, `tokens_bound.py`): an
+exact count only matters when it could change the decision. When a cheap upper bound
+from UTF-8 byte counts is already below the long threshold and the input cap, the
+request is surely short and within the cap, so the round trip to `/tokenize` (tens of
+milliseconds of TTFT under load) is skipped. Only requests near a limit are counted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+
+from tierguard.gate.tokens_bound import PROBE_TEXT, TEXT_SLACK_TOKENS, byte_bound, is_byte_level, utf8_len
 
 PER_MESSAGE_OVERHEAD = 4  # role markers and separators a chat template adds per message
 CHARS_PER_TOKEN = 4
@@ -33,10 +43,31 @@ def message_text(message: dict) -> str:
     return ""
 
 
+@dataclass
+class TokenCount:
+    """Input tokens for admission. `method` says how far to trust `tokens`:
+    "exact" (the tokenizer counted), "estimate" (1 token per 4 characters, no tokenizer),
+    or "byte_bound" (not counted: the byte bound proved the request short and within
+    the cap; `tokens` is then the 4-characters estimate, which is below that bound)."""
+
+    tokens: int
+    method: str
+
+
 class TokenCounter:
-    """Base: the estimate. Subclasses replace `count_text` and may replace `count_chat`."""
+    """Base: the estimate. Subclasses replace `count_text` and may replace `count_chat`.
+
+    `byte_bound_ok` says whether the byte bound is a valid upper bound for this
+    counter's exact counts; `exact_counts`/`bound_skips` count requests by path.
+    """
 
     source = "approximate (1 token per 4 characters)"
+    method = "estimate"
+    byte_bound_ok = False
+
+    def __init__(self) -> None:
+        self.exact_counts = 0  # admission counts that ran the tokenizer
+        self.bound_skips = 0  # admission counts the byte bound made unnecessary
 
     async def count_text(self, text: str) -> int:
         return max(1, len(text) // CHARS_PER_TOKEN) if text else 0
@@ -58,15 +89,41 @@ class TokenCounter:
             return sum([await self.count_text(str(p)) for p in prompt])
         return await self.count_text(str(prompt))
 
+    async def count_for_admission(self, body: dict, chat: bool, limit: int) -> TokenCount:
+        """Tokens for the admission decision. `limit` is the smallest count that would change
+        it (the long threshold, or the input cap + 1 when lower): below it every count
+        leads to the same decision, so a bound below it is as good as an exact count."""
+        if self.byte_bound_ok:
+            bound = byte_bound(body, chat)
+            if bound is not None and bound < limit:
+                self.bound_skips += 1
+                return TokenCount(await TokenCounter.count_body(_ESTIMATE, body, chat), "byte_bound")
+        n = await self.count_body(body, chat)
+        if self.method == "exact":
+            self.exact_counts += 1
+        return TokenCount(n, self.method)
+
+
+_ESTIMATE = TokenCounter()  # the estimate, used for the logged figure of uncounted requests
+
 
 class LocalTokenizer(TokenCounter):
     """A `tokenizer.json` from a local directory; never downloads anything."""
 
-    def __init__(self, directory: str) -> None:
+    method = "exact"
+
+    def __init__(self, directory: str, use_byte_bound: bool = True) -> None:
         from tokenizers import Tokenizer
 
-        self.tokenizer = Tokenizer.from_file(str(Path(directory) / "tokenizer.json"))
-        self.source = f"local tokenizer {directory}"
+        super().__init__()
+        path = Path(directory) / "tokenizer.json"
+        self.tokenizer = Tokenizer.from_file(str(path))
+        # Only a byte-level BPE guarantees at least one byte per token; anything else
+        # (WordPiece, Unigram without byte fallback, ...) is always counted exactly.
+        self.byte_level = is_byte_level(json.loads(path.read_text(encoding="utf-8")))
+        self.byte_bound_ok = use_byte_bound and self.byte_level
+        self.source = f"local tokenizer {directory}" + (" (byte-level: byte bound on)" if self.byte_bound_ok
+                                                        else " (exact count for every request)")
 
     async def count_text(self, text: str) -> int:
         if not text:
@@ -81,12 +138,17 @@ class LocalTokenizer(TokenCounter):
 class UpstreamTokenizer(TokenCounter):
     """The upstream's `/tokenize`; falls back to the estimate when a call fails."""
 
-    def __init__(self, session: aiohttp.ClientSession, base_url: str, headers: dict[str, str]) -> None:
+    method = "exact"
+
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, headers: dict[str, str],
+                 use_byte_bound: bool = True) -> None:
+        super().__init__()
         self.session = session
         self.url = base_url + "/tokenize"
         self.headers = headers
         self.source = f"upstream {self.url}"
         self.failures = 0
+        self.use_byte_bound = use_byte_bound
 
     async def _call(self, payload: dict) -> int | None:
         try:
@@ -113,5 +175,15 @@ class UpstreamTokenizer(TokenCounter):
         return n if n is not None else await super().count_chat(messages)
 
     async def probe(self) -> bool:
-        """True when the upstream answers /tokenize; decides the source at start."""
-        return await self._call({"prompt": "probe"}) is not None
+        """True when the upstream answers /tokenize; decides the source at start.
+
+        The probe text mixes ASCII, accents, CJK and an emoji: the byte bound stays on
+        only if the upstream's count for it respects one token per byte (plus slack),
+        so a tokenizer that breaks the assumption is counted exactly instead.
+        """
+        n = await self._call({"prompt": PROBE_TEXT})
+        if n is None:
+            return False
+        self.byte_bound_ok = self.use_byte_bound and n <= utf8_len(PROBE_TEXT) + TEXT_SLACK_TOKENS
+        self.source += " (byte bound on)" if self.byte_bound_ok else " (exact count for every request)"
+        return True

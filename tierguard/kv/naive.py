@@ -6,15 +6,26 @@ needs them. Every call here blocks the calling (engine) thread on disk I/O. The 
 must be built with `allow_reads_in_decode=True`; each such read is counted in its
 `reads_in_decode`, and the stall time is counted here, so a benchmark can put the cost
 next to the contract's numbers.
+
+Device latency, not page-cache latency: on a real box the spilled blocks of a long
+session live on the NVMe, so the synchronous read inside decode waits for the device.
+Right after a block is written (and fdatasync'ed by the disk tier) its pages are
+dropped from the page cache (`posix_fadvise(DONTNEED)`), so the read-back goes to the
+device here too instead of being served from RAM at memcpy speed. Where the hint is not
+supported the read may still hit the cache; `dropped` / `drop_failures` say which
+happened. The contract path does not do this: its staging reads are asynchronous and
+are allowed to be served from the page cache.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
 import torch
 
+from tierguard.kv import disk_format as fmt
 from tierguard.kv.disk_tier import DiskTier
 from tierguard.kv.spec import DevicePool
 
@@ -25,6 +36,8 @@ class NaiveCounters:
     restores: int = 0
     restore_misses: int = 0
     stall_s: float = 0.0  # time the engine thread spent blocked in here
+    dropped: int = 0  # spilled blocks whose cached pages were dropped (reads go to the device)
+    drop_failures: int = 0
 
 
 class NaiveSyncDisk:
@@ -42,6 +55,8 @@ class NaiveSyncDisk:
         for tensor, view in zip(self.pool.tensors, self.pool.payload_views(self._bounce), strict=True):
             view.copy_(tensor[:, :, device_block])  # synchronous on CUDA too: that is the point
         ok = self.disk.write(block_hash, self._bounce)
+        if ok:
+            self._drop_from_page_cache(block_hash)
         self.counters.spills += 1
         self.counters.stall_s += time.perf_counter() - t0
         return ok
@@ -58,3 +73,19 @@ class NaiveSyncDisk:
             self.counters.restore_misses += 1
         self.counters.stall_s += time.perf_counter() - t0
         return ok
+
+    def _drop_from_page_cache(self, block_hash: int) -> None:
+        """Evict the block file's (clean, synced) pages so the next read waits for the device."""
+        path = os.path.join(self.disk.root, self.disk.fingerprint, fmt.block_name(block_hash))
+        try:
+            fd = os.open(path, os.O_RDONLY | fmt.OPEN_FLAGS)
+        except OSError:
+            self.counters.drop_failures += 1
+            return
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            self.counters.dropped += 1
+        except (OSError, AttributeError):  # no fadvise here: the read may hit the page cache
+            self.counters.drop_failures += 1
+        finally:
+            os.close(fd)

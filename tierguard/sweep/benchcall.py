@@ -77,6 +77,23 @@ def bench_argv(
             "--long-share",
             f"{m.long_share:g}",
         ]
+    elif p.dataset == "shared-prefix":
+        # The prompt is prefix + suffix = exactly `context` tokens; enough prefixes x
+        # requests per prefix to cover the cell's request count.
+        n = p.requests_for(spec.concurrency)
+        pre = p.prefix_len(spec.context)
+        argv += [
+            "--dataset",
+            "shared-prefix",
+            "--prefix-len",
+            str(pre),
+            "--input-len",
+            str(spec.context - pre),
+            "--num-prefixes",
+            str(p.num_prefixes),
+            "--requests-per-prefix",
+            str(-(-n // p.num_prefixes)),
+        ]
     else:
         argv += ["--dataset", p.dataset, "--input-len", str(spec.context)]
         if p.dataset == "random":

@@ -89,7 +89,12 @@ class Profile(_Strict):
     endpoint: Literal["/v1/completions", "/v1/chat/completions"] = "/v1/completions"
     model: str | None = None
     tokenizer: str | None = None
-    dataset: Literal["fixed", "random"] = "fixed"
+    # shared-prefix: each prompt of `context` tokens starts with one of `num_prefixes`
+    # shared prefixes of round(prefix_share x context) tokens, interleaved so a prefix is
+    # reused after `num_prefixes` other requests: the workload prefix tiers exist for.
+    dataset: Literal["fixed", "random", "shared-prefix"] = "fixed"
+    prefix_share: float = Field(default=0.75, gt=0, lt=1)
+    num_prefixes: int = Field(default=2, ge=1)
     context_lengths: list[int] = Field(default_factory=lambda: [2048])
     output_len: int = 256
     range_ratio: float = Field(default=0.0, ge=0, lt=1)
@@ -126,8 +131,18 @@ class Profile(_Strict):
             raise ValueError("request_rate must be positive or 'inf'")
         return rate
 
+    @model_validator(mode="after")
+    def _prefix_fits(self) -> Profile:
+        if self.dataset == "shared-prefix" and min(self.context_lengths) < 2:
+            raise ValueError("shared-prefix needs context lengths of at least 2 tokens (prefix + suffix)")
+        return self
+
     def requests_for(self, concurrency: int) -> int:
         return max(self.num_requests, self.min_rounds * concurrency)
+
+    def prefix_len(self, context: int) -> int:
+        """Shared-prefix tokens of a `context`-token prompt (at least one, leaving one)."""
+        return min(context - 1, max(1, round(self.prefix_share * context)))
 
 
 class Mixed(_Strict):
