@@ -150,12 +150,14 @@ def test_prefix_survives_a_server_restart(tmp_path):
 
 
 def test_request_class_from_header_priority_or_service_tier():
-    from tierguard.serve.tier_flags import request_class_of
+    from tierguard.serve.protocol import CompletionRequest
 
-    assert request_class_of(b'{"prompt": "x"}', {}, "interactive") == "interactive"
-    assert request_class_of(b'{"prompt": "x", "service_tier": "flex"}', {}, "interactive") == "batch"
-    assert request_class_of(b'{"prompt": "x", "priority": 5}', {}, "interactive") == "batch"
-    assert request_class_of(b'{"prompt": "x"}', {"X-Tierguard-Class": "batch"}, "interactive") == "batch"
+    def cls(body: bytes, headers: dict[str, str] | None = None) -> str:
+        return CompletionRequest.model_validate_json(body).resolve_class(headers or {})
+
+    assert cls(b'{"prompt": "x"}') == "interactive"
+    assert cls(b'{"prompt": "x", "service_tier": "flex"}') == "batch"
+    assert cls(b'{"prompt": "x", "priority": 5}') == "batch"
+    assert cls(b'{"prompt": "x"}', {"X-Tierguard-Class": "batch"}) == "batch"
     # tierguard's own field (set by the gate) wins over everything else
-    body = b'{"prompt": "x", "request_class": "interactive", "service_tier": "flex"}'
-    assert request_class_of(body, {}, "interactive") == "interactive"
+    assert cls(b'{"prompt": "x", "request_class": "interactive", "service_tier": "flex"}') == "interactive"

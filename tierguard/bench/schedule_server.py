@@ -77,6 +77,7 @@ class _Handler:
         self.max_active = 0
         self.truth: list[dict] = []  # per streamed request: what the server actually did
         self.requests_total = 0
+        self.tokenize_total = 0  # /tokenize calls (a gate's token-count round trips)
         self.waiting = 0  # requests queued for capacity
 
     async def models(self, _: web.Request) -> web.Response:
@@ -104,10 +105,13 @@ class _Handler:
             f"schedule_requests_waiting {self.waiting}\n"
             "# TYPE schedule_requests counter\n"
             f"schedule_requests_total {self.requests_total}\n"
+            "# TYPE schedule_tokenize_requests counter\n"
+            f"schedule_tokenize_requests_total {self.tokenize_total}\n"
         )
         return web.Response(text=text, content_type="text/plain")
 
     async def tokenize(self, request: web.Request) -> web.Response:
+        self.tokenize_total += 1
         body = await request.json()
         text = body.get("prompt") or " ".join(m.get("content", "") for m in body.get("messages", []))
         tokens = list(range(len(text.split())))  # one token per whitespace-separated word

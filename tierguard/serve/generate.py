@@ -26,7 +26,6 @@ from tierguard.serve.metrics import ServeMetrics
 from tierguard.serve.protocol import ChatCompletionRequest, CompletionRequest
 from tierguard.serve.responses import Shape, usage
 from tierguard.serve.sse import ClientGone, SSEWriter
-from tierguard.serve.tier_flags import request_class_of
 
 log = logging.getLogger("tierguard.serve")
 
@@ -125,7 +124,7 @@ class _Timer:
 async def completions(request: web.Request, state: ServeState) -> web.StreamResponse:
     arrival = time.monotonic()
     req = CompletionRequest.model_validate_json(await request.read())
-    req.request_class = request_class_of(await request.read(), request.headers, req.request_class)
+    req.request_class = req.resolve_class(request.headers)
     _refuse(req.unsupported())
     state.check_model(req.model)
     prompt = req.single_prompt()
@@ -140,7 +139,7 @@ async def completions(request: web.Request, state: ServeState) -> web.StreamResp
 async def chat_completions(request: web.Request, state: ServeState) -> web.StreamResponse:
     arrival = time.monotonic()
     req = ChatCompletionRequest.model_validate_json(await request.read())
-    req.request_class = request_class_of(await request.read(), request.headers, req.request_class)
+    req.request_class = req.resolve_class(request.headers)
     _refuse(req.unsupported())
     state.check_model(req.model)
     messages = req.plain_messages()

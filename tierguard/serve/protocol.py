@@ -8,11 +8,13 @@ are refused by `unsupported()` with a message naming the field.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from tierguard.engine.api import SamplingParams
+from tierguard.kv.contract import classify_request
 from tierguard.serve.errors import APIError, bad_request
 
 
@@ -48,6 +50,16 @@ class _Sampling(_Strict):
     # tierguard extension: the engine's admission/tier policy class of this request
     # (e.g. "interactive" or "batch"); `tierguard gate` sets it.
     request_class: str = Field(default="interactive", pattern=r"^[a-z][a-z0-9_]{0,31}$")
+    # OpenAI / vLLM ways of saying the same: a positive priority or a flex/batch tier is batch.
+    priority: int | str | None = None
+    service_tier: str | None = None
+
+    def resolve_class(self, headers: Mapping[str, str]) -> str:
+        """tierguard's own `request_class` wins (the gate sets it); otherwise the
+        `x-tierguard-class` header, then `priority` / `service_tier`."""
+        if "request_class" in self.model_fields_set:
+            return self.request_class
+        return classify_request({"priority": self.priority, "service_tier": self.service_tier}, headers)
 
     def _common_unsupported(self) -> APIError | None:
         if self.n != 1:

@@ -7,8 +7,6 @@ the CLI requires. Validation happens here, before the model loads.
 from __future__ import annotations
 
 import argparse
-import json
-from collections.abc import Mapping
 from pathlib import Path
 
 from tierguard.common.errors import TierguardError
@@ -68,18 +66,3 @@ def tier_kwargs(args: argparse.Namespace) -> dict:
         "ttft_budget_ms": parse_ttft_budgets(budgets) if budgets else None,
         "naive_sync_disk": naive,
     }
-
-
-def request_class_of(raw_body: bytes, headers: Mapping[str, str], declared: str) -> str:
-    """The request class for the engine: tierguard's own `request_class` field when the
-    body has it (the gate sets it), else the `x-tierguard-class` header or the OpenAI-style
-    `priority` / `service_tier` fields (tierguard.kv.contract.classify_request)."""
-    from tierguard.kv.contract import classify_request
-
-    try:
-        body = json.loads(raw_body)
-    except ValueError:
-        return declared
-    if not isinstance(body, dict) or "request_class" in body:
-        return declared
-    return classify_request(body, headers)
