@@ -120,8 +120,8 @@ class EngineTiers:
 
     def _jobs_outstanding(self) -> int:
         # Jobs submitted and not yet seen by poll(): a finished store still has to be
-        # polled to submit its write-behind to disk. (KVTierStore has no public count.)
-        return len(getattr(self.store, "_jobs", ())) or self.store.worker.queue_depth
+        # polled to submit its write-behind to disk.
+        return self.store.pending_jobs or self.store.worker.queue_depth
 
     def held_refs(self) -> Counter[int]:
         """References this object holds on pool blocks (for the engine's integrity check)."""

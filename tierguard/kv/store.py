@@ -67,6 +67,11 @@ class KVTierStore:
         self._jobs: dict[int, tuple[str, object]] = {}  # job id -> (kind, state)
         self._loads: dict[str, _Load] = {}
 
+    @property
+    def pending_jobs(self) -> int:
+        """Transfers started and not yet reported by `poll()` (queued, running or finished)."""
+        return len(self._jobs)
+
     @classmethod
     def create(
         cls,
