@@ -11,6 +11,13 @@ against the known schedule, anchored at the stream's first chunk: t_i - t_0 - i 
 Upstream, gate and this client are three processes on one machine, so at high
 concurrency the figure includes CPU contention between them — compare within one run.
 
+Hygiene: both paths are warmed at the full concurrency first (the gate's upstream pool
+then holds a connection per stream); direct, gate and a second direct run rotate within
+each trial; the two direct pools give the NOISE FLOOR ("noise_floor_per_chunk_ms" =
+direct_b - direct): an "added" figure within the noise floor is not the gate's.
+`--pin` pins upstream + client to one core and the gate to another; `--gate-args`
+passes flags to the gate (e.g. "--exact-token-count" to see what the byte bound saves).
+
     .venv/bin/python bench/gate_overhead.py --streams 1,100,500
 Prints one JSON document. Goal: p99 added < 1 ms at 100 streams.
 """
@@ -22,6 +29,7 @@ import asyncio
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -107,9 +115,10 @@ async def _truth(s: aiohttp.ClientSession, upstream: str) -> dict[str, list[floa
     return {row["id"]: row["times"] for row in data.get("requests", [])}
 
 
-def _start_gate(upstream: str, jobs_dir: str) -> tuple[subprocess.Popen, str]:
+def _start_gate(upstream: str, jobs_dir: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
     args = [sys.executable, "-m", "tierguard.cli.main", "gate", "--upstream", upstream, "--port", "0",
-            "--max-concurrency", "4096", "--max-long", "4096", "--max-queue", "4096", "--jobs-dir", jobs_dir]
+            "--max-concurrency", "4096", "--max-long", "4096", "--max-queue", "4096", "--jobs-dir", jobs_dir,
+            *extra]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -127,51 +136,115 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=3, help="alternating direct/gate runs pooled per level")
     p.add_argument("--ttft-ms", type=float, default=20.0)
     p.add_argument("--itl-ms", type=float, default=50.0)
+    p.add_argument("--pin", action="store_true", help="pin upstream + client to one core, the gate to another")
+    p.add_argument("--client-loop", choices=("uvloop", "asyncio"), default="uvloop",
+                   help="event loop of this client process (uvloop: less client CPU, a lower noise floor)")
+    p.add_argument("--gate-args", default="", help="extra flags for the gate, e.g. '--exact-token-count'")
+    p.add_argument("--nice", type=int, default=None,
+                   help="scheduling priority of client, upstream and gate alike (e.g. -10 on a shared box; "
+                        "needs privileges): separates the gate's own cost from other tenants' load")
     a = p.parse_args()
+    if a.nice is not None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, a.nice)  # inherited by the upstream and the gate
+        except PermissionError:
+            print(f"cannot set priority {a.nice}; running at the default", file=sys.stderr)
+            a.nice = None
     itl = a.itl_ms / 1000
     levels = []
+    load0 = round(os.getloadavg()[0], 2)
+    loop_factory = _loop_factory(a.client_loop)
     with ScheduleServer(ttft_ms=a.ttft_ms, itl_ms=a.itl_ms) as up, tempfile.TemporaryDirectory() as tmp:
-        gate, gate_url = _start_gate(up.base_url, tmp)
+        gate, gate_url = _start_gate(up.base_url, tmp, shlex.split(a.gate_args))
+        pinned = _pin(up.proc.pid, gate.pid) if a.pin else None
+
+        def level(base: str, n: int, rounds: int, tokens: int) -> dict:
+            with asyncio.Runner(loop_factory=loop_factory) as runner:
+                return runner.run(_level(base, up.base_url, n, rounds, tokens, itl))
+
         try:
             for n in (int(x) for x in a.streams.split(",")):
-                for base in (up.base_url, gate_url):  # warm both paths
-                    asyncio.run(_level(base, up.base_url, min(n, 8), 1, 4, itl))
-                # direct and gate runs alternate so load drift on a shared machine hits both
-                pooled = {m: {"ttft": [], "sched_late": [], "delivery": []} for m in ("direct", "gate")}
-                gate_cpu = 0.0
-                for _ in range(a.trials):
-                    for mode, base in (("direct", up.base_url), ("gate", gate_url)):
-                        cpu0 = _cpu_s(gate.pid)
-                        got = asyncio.run(_level(base, up.base_url, n, a.rounds, a.tokens, itl))
+                for base in (up.base_url, gate_url):  # warm both paths at full concurrency
+                    level(base, n, 1, 2)
+                # the three runs rotate so load drift on a shared machine hits each alike
+                modes = [("direct", up.base_url), ("gate", gate_url), ("direct_b", up.base_url)]
+                pooled = {m: {"ttft": [], "sched_late": [], "delivery": []} for m, _ in modes}
+                gate_cpu, gate_sys = 0.0, 0.0
+                for t in range(a.trials):
+                    for mode, base in modes[t % 3:] + modes[:t % 3]:
+                        cpu0, sys0 = _cpu_s(gate.pid), _sys_s(gate.pid)
+                        got = level(base, n, a.rounds, a.tokens)
                         if mode == "gate":
                             gate_cpu += _cpu_s(gate.pid) - cpu0
+                            gate_sys += _sys_s(gate.pid) - sys0
                         for k, v in pooled[mode].items():
                             v.extend(got[k])
-                direct, via = _summary(pooled["direct"]), _summary(pooled["gate"])
-                kind = "delivery" if "delivery_p50_ms" in direct and "delivery_p50_ms" in via else "sched_late"
-                added = {k: round(via[f"{kind}_{k}_ms"] - direct[f"{kind}_{k}_ms"], 3)
-                         for k in ("p50", "p99", "p999") if f"{kind}_{k}_ms" in direct}
+                direct, via, direct_b = (_summary(pooled[m]) for m in ("direct", "gate", "direct_b"))
+                kind = "delivery" if all("delivery_p50_ms" in d for d in (direct, via, direct_b)) else "sched_late"
+                added = _diff(via, direct, kind)
                 levels.append({"streams": n, "measure": kind, "direct": _round(direct), "gate": _round(via),
+                               "direct_b": _round(direct_b),
                                "added_per_chunk_ms": added,
+                               # the same load run direct twice: differences this large are noise
+                               "noise_floor_per_chunk_ms": _diff(direct_b, direct, kind),
                                "ttft_added_p50_ms": round(via["ttft_p50_ms"] - direct["ttft_p50_ms"], 3),
+                               "ttft_added_p99_ms": round(via["ttft_p99_ms"] - direct["ttft_p99_ms"], 3),
+                               "ttft_noise_p50_ms": round(direct_b["ttft_p50_ms"] - direct["ttft_p50_ms"], 3),
                                # CPU the gate spent per relayed chunk (request path included):
                                # contention-free cost, unlike wall-clock latency on a shared box
-                               "gate_cpu_us_per_chunk": round(gate_cpu / max(1, via["chunks"]) * 1e6, 1)})
+                               "gate_cpu_us_per_chunk": round(gate_cpu / max(1, via["chunks"]) * 1e6, 1),
+                               # of which in the kernel (socket calls): Python cannot shave this part
+                               "gate_sys_us_per_chunk": round(gate_sys / max(1, via["chunks"]) * 1e6, 1),
+                               "loadavg_1m": round(os.getloadavg()[0], 2)})
         finally:
             gate.terminate()
             gate.wait(10)
     at100 = next((lv for lv in levels if lv["streams"] == 100), None)
     print(json.dumps({
         "bench": "gate_overhead", "itl_ms": a.itl_ms, "tokens": a.tokens, "rounds": a.rounds, "trials": a.trials,
-        "cpus": os.cpu_count(), "loadavg_1m_at_end": round(os.getloadavg()[0], 2), "levels": levels,
+        "client_loop": a.client_loop, "pinned": pinned, "gate_args": a.gate_args, "nice": a.nice,
+        "cpus": os.cpu_count(), "loadavg_1m_at_start": load0,
+        "loadavg_1m_at_end": round(os.getloadavg()[0], 2), "levels": levels,
         "goal": "p99 added per chunk < 1 ms at 100 streams",
         "goal_met": None if at100 is None else at100["added_per_chunk_ms"]["p99"] < 1.0,
     }, indent=2))
 
 
+def _diff(a: dict, b: dict, kind: str) -> dict:
+    return {k: round(a[f"{kind}_{k}_ms"] - b[f"{kind}_{k}_ms"], 3)
+            for k in ("p50", "p99", "p999") if f"{kind}_{k}_ms" in a and f"{kind}_{k}_ms" in b}
+
+
+def _loop_factory(name: str):
+    if name == "uvloop":
+        try:
+            import uvloop
+
+            return uvloop.new_event_loop
+        except ImportError:
+            print("uvloop not installed; the client uses asyncio", file=sys.stderr)
+    return None
+
+
+def _pin(upstream_pid: int, gate_pid: int) -> dict | None:
+    """Upstream and this client on the first allowed core, the gate on the second: the
+    gate never competes with the load it is measured against. None with < 2 cores."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return None
+    os.sched_setaffinity(0, {cores[0]})
+    os.sched_setaffinity(upstream_pid, {cores[0]})
+    os.sched_setaffinity(gate_pid, {cores[1]})
+    return {"client": cores[0], "upstream": cores[0], "gate": cores[1]}
+
+
 def _cpu_s(pid: int) -> float:
     t = psutil.Process(pid).cpu_times()
     return t.user + t.system
+
+
+def _sys_s(pid: int) -> float:
+    return psutil.Process(pid).cpu_times().system
 
 
 def _round(d: dict) -> dict:

@@ -183,7 +183,6 @@ WRITER = textwrap.dedent(
 )
 
 
-@pytest.mark.slow
 def test_kill_9_during_writes_then_restart(tiny_dir, reference, tmp_path):
     persist(tiny_dir, tmp_path, PROMPTS[:1])
     code = WRITER.format(tests=os.path.dirname(__file__), model=str(tiny_dir), disk=str(tmp_path))

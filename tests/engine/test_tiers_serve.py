@@ -129,7 +129,6 @@ async def _complete(url: str, prompt: list[int]) -> tuple[list, str]:
         return text, metrics
 
 
-@pytest.mark.slow
 def test_prefix_survives_a_server_restart(tmp_path):
     disk, prompt = tmp_path / "kv", prompt_ids(3, 300, vocab=4000)
     with open(tmp_path / "stderr.log", "w") as log:

@@ -21,14 +21,15 @@ process_cpu_seconds_total 1.5
 
 @pytest.fixture(scope="session")
 def run_dir(tmp_path_factory):
-    """A finished sweep: two variants with known capacities (3 and 6), one that failed to start."""
+    """A finished sweep: two variants with known capacities (3 and 6), one that failed to
+    start, and a prefix slice where "big" loads prefixes and "small" recomputes them."""
     d = tmp_path_factory.mktemp("run")
     caps = {"small": 3, "big": 6}
     m = parse_matrix(
         {
             "name": "report-test",
             "variants": [
-                schedule_variant("small", 3, tags=["reference"]),
+                schedule_variant("small", 3, tags=["reference", "no-tier"]),
                 failing_variant(),
                 schedule_variant("big", 6, tags=["host-tier"]),
             ],
@@ -36,6 +37,7 @@ def run_dir(tmp_path_factory):
             "slices": {
                 "ladder": [1, 2, 4, 8],
                 "mixed": {"short_len": 64, "long_len": 256, "concurrency": [2]},
+                "prefix": {"context": 128, "num_prefixes": 2, "requests_per_prefix": 3, "concurrency": [2]},
             },
             "slo": {"p99_ttft_ms": 200, "p99_itl_ms": 50},
             "uncertainty": {"bootstrap": 50},
@@ -44,7 +46,9 @@ def run_dir(tmp_path_factory):
 
     def bench(argv, log, timeout):
         name = flag(argv, "--output-dir").split("/")[-3]
-        return make_bench(ServerModel(capacity=caps[name], prefill_ms_per_token=0.1))(argv, log, timeout)
+        # Prefix slice: "big" loads the prefix (prefills only the suffix), "small" recomputes it.
+        per_token = 1.0 if "--prefix-len" in argv and name == "small" else 0.1
+        return make_bench(ServerModel(capacity=caps[name], prefill_ms_per_token=per_token))(argv, log, timeout)
 
     Sweep(m, d, bench=bench).run()
     (d / "small" / "ladder-ctx64-c1" / "metrics.prom").write_text(PROM)

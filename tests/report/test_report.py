@@ -78,3 +78,28 @@ def test_report_refuses_cells_with_different_profiles(run_dir, tmp_path):
     (bad / "state.json").write_text(json.dumps(state))
     with pytest.raises(TierguardError, match="output-len: '16' != '17'"):
         load_run(bad)
+
+
+def test_prefix_slice_table_and_recommendation(run_dir, tmp_path):
+    from tierguard.report.tables import prefix_table
+
+    data = load_run(run_dir)
+    t = prefix_table(data)
+    assert [r[0] for r in t.rows] == ["small", "big"]
+    p50 = {r[0]: float(r[t.header.index("p50 TTFT ms")]) for r in t.rows}
+    assert p50["big"] < p50["small"]  # the fake "small" prefills 10x slower on this slice
+    files = write_report(run_dir, tmp_path / "out")
+    recs = " ".join(files.recommendations)
+    assert "big turns recompute into loads" in recs and "for small, which recomputes" in recs
+    assert "Prefix reuse" in files.markdown.read_text() and "Prefix reuse" in files.html.read_text()
+
+
+def test_boundary_comes_before_the_recommendation(run_dir, tmp_path, capsys):
+    from tierguard.cli.report import print_boundary
+
+    files = write_report(run_dir, tmp_path / "out")
+    for text in (files.markdown.read_text(), files.html.read_text()):
+        assert 0 <= text.index("Boundary") < text.index("Recommendation")
+    print_boundary(run_dir, files.recommendations)
+    out = capsys.readouterr().out
+    assert out.index("Boundary") < out.index("Recommendation") < out.index(files.recommendations[0][:20])

@@ -16,7 +16,7 @@ import time
 import aiohttp
 import pytest
 
-pytestmark = pytest.mark.slow
+# A few seconds in all: kept in the default run (the openai client test is a must-show).
 
 READY = "tierguard serve: ready on "
 API_KEY = "test-key"

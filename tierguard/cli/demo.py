@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     )
     code = run_sweep(demo.matrix, run_dir, matrix_text=None, report=False, show=False)
     files = write_report(run_dir, out)
-    console.rule("Recommendation")
+    console.rule("Boundary")
     print_boundary(run_dir, files.recommendations)
     console.print(f"report: {files.html}")
     return code

@@ -34,8 +34,10 @@ def print_boundary(run_dir: Path, recommendations: list[str] | None = None) -> N
     console = Console()
     console.print(rt)
     console.print(t.note, style="dim")
-    for r in recommendations or []:
-        console.print(f"- {r}")
+    if recommendations:  # after the table it rests on
+        console.rule("Recommendation")
+        for r in recommendations:
+            console.print(f"- {r}")
 
 
 def run(args: argparse.Namespace) -> int:

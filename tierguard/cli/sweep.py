@@ -45,9 +45,10 @@ class Progress:
             console=self.console,
             transient=False,
         )
-        # An estimate: the ladder (+ bisection steps) per context, plus the mixed cells.
+        # An estimate: the ladder (+ bisection steps) per context, plus the mixed and prefix cells.
         per_ctx = len(matrix.slices.ladder) + (2 if matrix.slices.bisect else 0)
         mixed = len(matrix.slices.mixed.concurrency) if matrix.slices.mixed else 0
+        mixed += len(matrix.slices.prefix.concurrency) if matrix.slices.prefix else 0
         self.total = per_ctx * len(matrix.profile.context_lengths) + mixed
         self.tasks: dict[str, int] = {}
 

@@ -24,6 +24,7 @@ from aiohttp import web
 
 _USAGE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _PROMPT_USAGE = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_DONE = b"data: [DONE]\n\n"
 
 
 class UpstreamError(Exception):
@@ -108,18 +109,27 @@ async def relay(request: web.Request, upstream: aiohttp.ClientResponse, extra_he
         # one clock read, one substring count; usage is parsed only in chunks that carry it.
         events, usage = 0, None
         write, readany, monotonic = resp.write, content.readany, time.monotonic
-        chunk, last = first, 0.0
+        chunk, last, tail = first, 0.0, b""
         if chunk:
             await write(chunk)
             last = result.first_chunk_at = monotonic()
         while chunk:
             events += chunk.count(b"data:")
             if b'"usage"' in chunk:
-                found, prompt = _usage(chunk)
-                usage = found if found is not None else usage
-                result.prompt_tokens = prompt if prompt is not None else result.prompt_tokens
+                usage = _take_usage(result, chunk, usage)
             chunk = await readany()
             if not chunk:
+                break
+            if chunk.endswith(_DONE):
+                # The stream's closing event carries no token: it leaves together with the
+                # end of the response (one write instead of two). Anything an upstream sends
+                # after [DONE] is kept and goes out with it.
+                tail = chunk
+                while more := await readany():
+                    tail += more
+                events += tail.count(b"data:")
+                if b'"usage"' in tail:
+                    usage = _take_usage(result, tail, usage)
                 break
             await write(chunk)
             now = monotonic()
@@ -129,7 +139,7 @@ async def relay(request: web.Request, upstream: aiohttp.ClientResponse, extra_he
         if events:
             # without usage, count content events: one per chunk minus [DONE]
             result.output_tokens = usage if usage is not None else max(0, events - 1)
-        await resp.write_eof()
+        await resp.write_eof(tail)
     except TimeoutError:
         result.status = 504
         await _end_stream(result, "upstream stopped sending (timeout)")
@@ -151,6 +161,14 @@ def _usage(raw: bytes) -> tuple[int | None, int | None]:
     """(completion_tokens, prompt_tokens) from a body or chunk that carries usage."""
     out, prompt = _USAGE.search(raw), _PROMPT_USAGE.search(raw)
     return (int(out.group(1)) if out else None), (int(prompt.group(1)) if prompt else None)
+
+
+def _take_usage(result: ForwardResult, raw: bytes, usage: int | None) -> int | None:
+    """Note prompt_tokens on `result`; return completion_tokens, or `usage` when absent."""
+    found, prompt = _usage(raw)
+    if prompt is not None:
+        result.prompt_tokens = prompt
+    return found if found is not None else usage
 
 
 async def _end_stream(result: ForwardResult, message: str) -> None:

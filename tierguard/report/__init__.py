@@ -35,6 +35,7 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> ReportFiles:
         counters_table,
         engines_table,
         environment_table,
+        prefix_table,
         single_table,
     )
 
@@ -46,6 +47,7 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> ReportFiles:
         "single": single_table(data),
         "cells": cells_table(data, "ladder"),
         "mixed": cells_table(data, "mixed"),
+        "prefix": prefix_table(data),
         "counters": counters_table(data),
         "engines": engines_table(data),
         "environment": environment_table(data),

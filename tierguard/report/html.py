@@ -74,14 +74,17 @@ def render_html(
         f"<h1>tierguard sweep: {_esc(data.matrix.name)}</h1>",
         f'<p class="note">run directory {_esc(data.run_dir)}</p>',
     ]
+    # The boundary first, then what to do about it: the decision rests on the table.
+    parts.append(table_html(tables["boundary"]))
     if recs:
         parts.append(
             "<h2>Recommendation</h2><ul class=rec>" + "".join(f"<li>{_esc(r)}</li>" for r in recs) + "</ul>"
         )
-    parts.append(table_html(tables["boundary"]))
     if "boundary" in plots:
         parts.append(_figure("boundary", *plots["boundary"]))
     parts.append(table_html(tables["single"]))
+    if "prefix" in tables and tables["prefix"].rows:
+        parts.append(table_html(tables["prefix"]))
     parts.append("<h2>Latency vs concurrency</h2>")
     for name in ("p99_ttft", "p99_itl"):
         if name in plots:

@@ -26,10 +26,12 @@ def render_markdown(
     data: RunData, tables: dict[str, Table], plot_files: dict[str, tuple[str, str]], recs: list[str]
 ) -> str:
     out = [f"# tierguard sweep: {data.matrix.name}", ""]
-    if recs:
-        out += ["## Recommendation", ""] + [f"- {r}" for r in recs] + [""]
     out.append(table_md(tables["boundary"]))
+    if recs:  # after the table it rests on
+        out += ["## Recommendation", ""] + [f"- {r}" for r in recs] + [""]
     out.append(table_md(tables["single"]))
+    if "prefix" in tables and tables["prefix"].rows:
+        out.append(table_md(tables["prefix"]))
     if plot_files:
         out += ["## Plots", ""]
         out += [f"![{caption}]({path})" for caption, path in plot_files.values()]

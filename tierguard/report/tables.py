@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from tierguard.report.load import RunData, VariantData
 from tierguard.sweep.cells import CellVerdict
-from tierguard.sweep.stats import P99
+from tierguard.sweep.stats import P99, pooled, quantile
 
 
 @dataclass
@@ -137,6 +137,36 @@ def cells_table(data: RunData, slice_name: str) -> Table:
         m = data.matrix.slices.mixed
         note = f"{m.long_share:.0%} of requests at {m.long_len} tokens among {m.short_len}-token requests."
     return Table(title, CELL_HEADER, rows, note)
+
+
+def prefix_p50_ttft(data: RunData, v: VariantData, c: CellVerdict) -> float | None:
+    """Median TTFT of a prefix-slice cell: the typical request, a reuse. (Its p99 is set by
+    the first, cold use of each prefix, which no tier can help.)"""
+    values = pooled(data.samples(v.name, c.key), "ttft")
+    q = quantile(values, 0.5)
+    return None if math.isnan(q) else q
+
+
+def prefix_table(data: RunData) -> Table:
+    """The prefix-reuse slice: does a tier turn recompute into loads?"""
+    pre = data.matrix.slices.prefix
+    rows = []
+    for v in data.variants:
+        for c in sorted(v.cells.values(), key=lambda c: c.concurrency):
+            if c.slice != "prefix":
+                continue
+            row = _cell_row(v, c)
+            rows.append(row[:5] + [fmt_ms(prefix_p50_ttft(data, v, c))] + row[5:])
+    note = ""
+    if pre is not None:
+        note = (
+            f"{pre.num_prefixes} prefixes of {pre.prefix_len} tokens ({pre.num_prefixes * pre.prefix_len} "
+            f"prefix tokens), interleaved, each reused by {pre.requests_per_prefix} requests of {pre.context} "
+            "tokens. The first use of each prefix is a full prefill for every variant and sets the p99; "
+            "p50 TTFT shows the reuses: recomputed, kept in VRAM, or loaded from a tier."
+        )
+    header = CELL_HEADER[:5] + ["p50 TTFT ms"] + CELL_HEADER[5:]
+    return Table("Prefix reuse (beside the boundary)", header, rows, note)
 
 
 def counters_table(data: RunData, limit: int = 40) -> Table:

@@ -41,6 +41,8 @@ def bench_argv(
     """The full `tierguard bench` command line of a cell (without the interpreter)."""
     p, slo = matrix.profile, matrix.slo
     rate = "inf" if math.isinf(p.request_rate) else f"{p.request_rate:g}"
+    pre = matrix.slices.prefix if spec.slice == "prefix" else None
+    num_requests = pre.num_requests if pre is not None else p.requests_for(spec.concurrency)
     argv = [
         "bench",
         "--base-url",
@@ -52,7 +54,7 @@ def bench_argv(
         "--request-rate",
         rate,
         "--num-requests",
-        str(p.requests_for(spec.concurrency)),
+        str(num_requests),
         "--output-len",
         str(p.output_len),
         "--seed",
@@ -76,6 +78,19 @@ def bench_argv(
             str(m.long_len),
             "--long-share",
             f"{m.long_share:g}",
+        ]
+    elif pre is not None:
+        argv += [
+            "--dataset",
+            "shared-prefix",
+            "--prefix-len",
+            str(pre.prefix_len),
+            "--input-len",
+            str(pre.context - pre.prefix_len),
+            "--num-prefixes",
+            str(pre.num_prefixes),
+            "--requests-per-prefix",
+            str(pre.requests_per_prefix),
         ]
     elif p.dataset == "shared-prefix":
         # The prompt is prefix + suffix = exactly `context` tokens; enough prefixes x

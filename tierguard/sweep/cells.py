@@ -20,7 +20,7 @@ from tierguard.sweep.stats import METRICS, P99, RequestSample, p99_with_interval
 class CellSpec:
     """Where a cell sits in the matrix; `key` names its result directory."""
 
-    slice: str  # "ladder" (includes the single-request cell at concurrency 1) or "mixed"
+    slice: str  # "ladder" (includes the single-request cell at concurrency 1), "mixed" or "prefix"
     context: int
     concurrency: int
 

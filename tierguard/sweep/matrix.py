@@ -59,7 +59,7 @@ class Variant(_Strict):
     warmup_requests: int = Field(default=2, ge=0)
     model: str | None = None  # overrides profile.model for this engine's served name
     description: str = ""
-    # Roles the recommendation understands: reference, host-tier, disk-prefix, fp8, naive-sync-disk.
+    # Roles the recommendation understands: reference, no-tier, host-tier, disk-prefix, fp8, naive-sync-disk.
     tags: list[str] = Field(default_factory=list)
 
     @field_validator("name")
@@ -159,6 +159,36 @@ class Mixed(_Strict):
         return _tokens(v, "mixed length")
 
 
+class PrefixReuse(_Strict):
+    """A prefix-reuse slice: `num_prefixes` shared prefixes, interleaved, each reused by
+    `requests_per_prefix` requests of `context` tokens. With more prefix tokens than the
+    device pool holds, a prefix is evicted before its next use: without a tier it is
+    recomputed, with a host or NVMe prefix tier it is loaded. Judged against the same SLOs,
+    but reported beside the boundary, not folded into it."""
+
+    context: int = 1024
+    prefix_share: float = Field(default=0.75, gt=0, lt=1)
+    num_prefixes: int = Field(default=8, ge=1)
+    requests_per_prefix: int = Field(default=3, ge=2)  # >= 2, or nothing is ever reused
+    concurrency: list[int] = Field(default_factory=lambda: [2])
+
+    @field_validator("context", mode="before")
+    @classmethod
+    def _ctx(cls, v: Any) -> int:
+        n = _tokens(v, "prefix slice context")
+        if n < 2:
+            raise ValueError("prefix slice context must be at least 2 tokens (prefix + suffix)")
+        return n
+
+    @property
+    def prefix_len(self) -> int:
+        return min(self.context - 1, max(1, round(self.prefix_share * self.context)))
+
+    @property
+    def num_requests(self) -> int:
+        return self.num_prefixes * self.requests_per_prefix
+
+
 class Slices(_Strict):
     """Which of R9's slices to run. The ladder is walked for every context length,
     which is also the short-vs-long slice (equal output length for all contexts)."""
@@ -167,6 +197,7 @@ class Slices(_Strict):
     ladder: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16])
     bisect: bool = True
     mixed: Mixed | None = None
+    prefix: PrefixReuse | None = None
 
     @field_validator("ladder")
     @classmethod

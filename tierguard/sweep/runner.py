@@ -163,6 +163,9 @@ class Sweep:
             mixed = self.matrix.slices.mixed
             for c in mixed.concurrency if mixed else []:
                 self._cell(variant, CellSpec("mixed", mixed.long_len, c), ensure_engine)  # type: ignore[union-attr]
+            prefix = self.matrix.slices.prefix
+            for c in prefix.concurrency if prefix else []:
+                self._cell(variant, CellSpec("prefix", prefix.context, c), ensure_engine)  # type: ignore[union-attr]
             vs.update(status="done")
         except (EngineStartError, EngineDied) as exc:
             vs.update(status="failed", error=str(exc))
@@ -191,7 +194,8 @@ class Sweep:
         for r in range(self.matrix.uncertainty.repeats):
             out = cell_dir / f"r{r}"
             argv = bench_argv(self.matrix, spec, engine.base_url, engine.model, out, repeat=r)
-            n = self.matrix.profile.requests_for(spec.concurrency)
+            pre = self.matrix.slices.prefix
+            n = pre.num_requests if spec.slice == "prefix" and pre else self.matrix.profile.requests_for(spec.concurrency)
             timeout = self.matrix.profile.timeout_s * max(2, n // spec.concurrency + 2)
             outcome = self.bench(argv, cell_dir / f"bench-r{r}.log", timeout)
             dirs.append(out)
