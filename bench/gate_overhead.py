@@ -72,7 +72,8 @@ async def _stream(s: aiohttp.ClientSession, url: str, tokens: int, itl: float, o
         out["streams"][req_id] = arrivals
 
 
-async def _level(base: str, upstream: str, streams: int, rounds: int, tokens: int, itl: float) -> dict:
+async def _level(base: str, upstream: str, streams: int, rounds: int, tokens: int, itl: float,
+                 ramp: float | None = None) -> dict:
     out: dict = {"ttft": [], "sched_late": [], "streams": {}}
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as s:
@@ -80,7 +81,7 @@ async def _level(base: str, upstream: str, streams: int, rounds: int, tokens: in
         url = base + "/v1/completions"
 
         async def worker(k: int) -> None:
-            await asyncio.sleep(k * itl / max(1, streams))  # spread chunk phases over one ITL
+            await asyncio.sleep(k * (ramp or itl) / max(1, streams))  # spread starts (and chunk phases)
             for _ in range(rounds):
                 await _stream(s, url, tokens, itl, out)
 
@@ -136,6 +137,9 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=3, help="alternating direct/gate runs pooled per level")
     p.add_argument("--ttft-ms", type=float, default=20.0)
     p.add_argument("--itl-ms", type=float, default=50.0)
+    p.add_argument("--ramp-ms", type=float, default=None,
+                   help="spread stream starts over this long (default one ITL: a burst of arrivals; a longer "
+                        "ramp with more --tokens measures steady streaming rather than the arrival burst)")
     p.add_argument("--pin", action="store_true", help="pin upstream + client to one core, the gate to another")
     p.add_argument("--client-loop", choices=("uvloop", "asyncio"), default="uvloop",
                    help="event loop of this client process (uvloop: less client CPU, a lower noise floor)")
@@ -154,13 +158,14 @@ def main() -> None:
     levels = []
     load0 = round(os.getloadavg()[0], 2)
     loop_factory = _loop_factory(a.client_loop)
+    ramp = a.ramp_ms / 1000 if a.ramp_ms else None
     with ScheduleServer(ttft_ms=a.ttft_ms, itl_ms=a.itl_ms) as up, tempfile.TemporaryDirectory() as tmp:
         gate, gate_url = _start_gate(up.base_url, tmp, shlex.split(a.gate_args))
         pinned = _pin(up.proc.pid, gate.pid) if a.pin else None
 
         def level(base: str, n: int, rounds: int, tokens: int) -> dict:
             with asyncio.Runner(loop_factory=loop_factory) as runner:
-                return runner.run(_level(base, up.base_url, n, rounds, tokens, itl))
+                return runner.run(_level(base, up.base_url, n, rounds, tokens, itl, ramp))
 
         try:
             for n in (int(x) for x in a.streams.split(",")):
@@ -193,7 +198,8 @@ def main() -> None:
                                # CPU the gate spent per relayed chunk (request path included):
                                # contention-free cost, unlike wall-clock latency on a shared box
                                "gate_cpu_us_per_chunk": round(gate_cpu / max(1, via["chunks"]) * 1e6, 1),
-                               # of which in the kernel (socket calls): Python cannot shave this part
+                               # of which in the kernel (socket calls; 10 ms ticks, so rough at low
+                               # counts): Python cannot shave this part
                                "gate_sys_us_per_chunk": round(gate_sys / max(1, via["chunks"]) * 1e6, 1),
                                "loadavg_1m": round(os.getloadavg()[0], 2)})
         finally:
@@ -202,7 +208,7 @@ def main() -> None:
     at100 = next((lv for lv in levels if lv["streams"] == 100), None)
     print(json.dumps({
         "bench": "gate_overhead", "itl_ms": a.itl_ms, "tokens": a.tokens, "rounds": a.rounds, "trials": a.trials,
-        "client_loop": a.client_loop, "pinned": pinned, "gate_args": a.gate_args, "nice": a.nice,
+        "ramp_ms": a.ramp_ms, "client_loop": a.client_loop, "pinned": pinned, "gate_args": a.gate_args, "nice": a.nice,
         "cpus": os.cpu_count(), "loadavg_1m_at_start": load0,
         "loadavg_1m_at_end": round(os.getloadavg()[0], 2), "levels": levels,
         "goal": "p99 added per chunk < 1 ms at 100 streams",
@@ -239,8 +245,14 @@ def _pin(upstream_pid: int, gate_pid: int) -> dict | None:
 
 
 def _cpu_s(pid: int) -> float:
-    t = psutil.Process(pid).cpu_times()
-    return t.user + t.system
+    """CPU seconds of a process: /proc/PID/schedstat (nanoseconds) where Linux has it, since
+    psutil's user+system tick in 10 ms steps (useless for a few dozen chunks)."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            return int(f.read().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        t = psutil.Process(pid).cpu_times()
+        return t.user + t.system
 
 
 def _sys_s(pid: int) -> float:

@@ -24,7 +24,7 @@ Embedding API (framework-free asyncio, see `admission.py` for the full contract)
 reason; `metrics.GateMetrics(controller)` exposes them to Prometheus.
 
 Layout: policy (options + validation), admission (slots and queues), tokens (input
-counting), trim (context downgrade), jobs + runner (async path on disk), forward
+counting) + tokens_bound (the byte bound that skips most counts), trim (context downgrade), jobs + runner (async path on disk), forward
 (upstream streaming), http (errors, body limits, keys), proxy (handlers), reqlog
 (JSONL), metrics, state + app (the running gate).
 """

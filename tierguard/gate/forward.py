@@ -1,10 +1,13 @@
 """Forwarding one admitted request to the upstream, streaming chunks through untouched.
 
 Why no SSE parsing: every parse on the hot path adds latency to every chunk of every
-stream. Chunks are written to the client as they arrive; the gate only counts
-`data:` events (one substring count) and reads `usage` with a regex when a chunk
-carries it. Timing: TTFT is arrival at the gate to the first chunk written; ITL is the
-gap between chunks written.
+stream. Whatever the upstream has sent is written to the client at once (one read, one
+write per wake-up); the gate only counts `data:` events (one substring count) and reads
+`usage` with a regex when a chunk carries it. The closing `data: [DONE]` event carries
+no token, so it leaves together with the end of the response (one socket write, not
+two). Timing: TTFT is arrival at the gate to the first chunk written; ITL is the gap
+between chunks written. Connections to the upstream are pooled (keep-alive) and both
+sides run with TCP_NODELAY (aiohttp sets it on every connection).
 
 Failures map to clear statuses before any byte is sent: upstream unreachable -> 502,
 no first byte within the timeout -> 504. After the stream started, a failure ends the

@@ -12,6 +12,7 @@ from bisect import bisect_left
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.metrics import MetricWrapperBase
 
 from tierguard.gate.admission import AdmissionController
 
@@ -70,6 +71,7 @@ class ChunkHistogram:
 class GateMetrics:
     def __init__(self, controller: AdmissionController) -> None:
         self.registry = CollectorRegistry()
+        self._children: dict[tuple[int, str], MetricWrapperBase] = {}
         self.registry.register(ControllerCollector(controller))
         r = self.registry
         self.queue_wait = Histogram("tierguard_gate_queue_wait_seconds", "Time a request waited for a slot",
@@ -86,6 +88,15 @@ class GateMetrics:
                                     "(exact, estimate, byte_bound = skipped: surely short)", ["method"], registry=r)
         self.upstream_errors = Counter("tierguard_gate_upstream_errors", "Upstream failures by kind",
                                        ["kind"], registry=r)
+
+    def child(self, metric: MetricWrapperBase, label: str) -> MetricWrapperBase:
+        """The labelled child of `metric`, from a plain dict (prometheus' .labels() takes a lock
+        and builds a key tuple on every call; the request path calls this five times)."""
+        key = (id(metric), label)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(label)
+        return found
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -51,7 +51,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         counted = await state.counter.count_for_admission(body, chat, _decision_limit(state))
         n = rec.input_tokens = counted.tokens
         rec.token_count = counted.method
-        state.metrics.token_counts.labels(counted.method).inc()
+        state.metrics.child(state.metrics.token_counts, counted.method).inc()
         if as_async:
             return _done(state, rec, arrived, _hand_off(state, route, body, n, rec, "requested"), "requested", "async")
         info = RequestInfo(input_tokens=n, priority=priority, can_downgrade=chat and can_trim(body.get("messages")))
@@ -79,7 +79,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                     r.status, r.message, etype="rate_limit_exceeded" if r.status == 429 else "invalid_request_error",
                     retry_after_s=r.retry_after_s), r.reason, "reject")
         rec.queue_wait_ms = round(ticket.queue_wait_s * 1000, 3)
-        state.metrics.queue_wait.labels(ticket.klass).observe(ticket.queue_wait_s)
+        state.metrics.child(state.metrics.queue_wait, ticket.klass).observe(ticket.queue_wait_s)
         try:
             return await _forward(state, request, route, body, rec, arrived, ticket)
         finally:
@@ -116,11 +116,11 @@ async def _forward(state: GateState, request: web.Request, route: str, body: dic
         rec.input_tokens, rec.token_count = result.prompt_tokens, "upstream_usage"
     if result.first_chunk_at is not None:
         rec.ttft_ms = round((result.first_chunk_at - arrived) * 1000, 3)
-        state.metrics.ttft.labels(ticket.klass).observe(result.first_chunk_at - arrived)
+        state.metrics.child(state.metrics.ttft, ticket.klass).observe(result.first_chunk_at - arrived)
     if result.client_left:
         rec.status, rec.reason = 499, "client_disconnected"
     rec.reason = rec.reason or "admitted"
-    state.metrics.e2e.labels(ticket.klass).observe(result.ended_at - arrived)
+    state.metrics.child(state.metrics.e2e, ticket.klass).observe(result.ended_at - arrived)
     _log(state, rec, arrived)
     return result.response
 
@@ -155,5 +155,5 @@ def _done(state: GateState, rec: RequestRecord, arrived: float, resp: web.Respon
 
 def _log(state: GateState, rec: RequestRecord, arrived: float) -> None:
     rec.e2e_ms = round((time.monotonic() - arrived) * 1000, 3)
-    state.metrics.responses.labels(str(rec.status)).inc()
+    state.metrics.child(state.metrics.responses, str(rec.status)).inc()
     state.reqlog.write(rec)

@@ -40,7 +40,10 @@ class GateState:
                                         sock_read=s.read_timeout_s)
         connector = aiohttp.TCPConnector(limit=s.upstream_pool, limit_per_host=s.upstream_pool,
                                          keepalive_timeout=30)
-        session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
+        # No cookie jar: a proxy must not carry one client's upstream cookies to the next
+        # (and skipping the jar is one less lookup per request).
+        session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False,
+                                        cookie_jar=aiohttp.DummyCookieJar())
         headers = {"Content-Type": "application/json"}
         if s.upstream_api_key:
             headers["Authorization"] = f"Bearer {s.upstream_api_key}"

@@ -64,10 +64,9 @@ class TokenCounter:
     source = "approximate (1 token per 4 characters)"
     method = "estimate"
     byte_bound_ok = False
-
-    def __init__(self) -> None:
-        self.exact_counts = 0  # admission counts that ran the tokenizer
-        self.bound_skips = 0  # admission counts the byte bound made unnecessary
+    # class-level zeros (subclasses need no __init__ chain); incremented per instance
+    exact_counts = 0  # admission counts that ran the tokenizer
+    bound_skips = 0  # admission counts the byte bound made unnecessary
 
     async def count_text(self, text: str) -> int:
         return max(1, len(text) // CHARS_PER_TOKEN) if text else 0
@@ -115,7 +114,6 @@ class LocalTokenizer(TokenCounter):
     def __init__(self, directory: str, use_byte_bound: bool = True) -> None:
         from tokenizers import Tokenizer
 
-        super().__init__()
         path = Path(directory) / "tokenizer.json"
         self.tokenizer = Tokenizer.from_file(str(path))
         # Only a byte-level BPE guarantees at least one byte per token; anything else
@@ -142,7 +140,6 @@ class UpstreamTokenizer(TokenCounter):
 
     def __init__(self, session: aiohttp.ClientSession, base_url: str, headers: dict[str, str],
                  use_byte_bound: bool = True) -> None:
-        super().__init__()
         self.session = session
         self.url = base_url + "/tokenize"
         self.headers = headers
