@@ -206,3 +206,5 @@ def test_naive_sync_disk_reads_inside_decode_and_counts_them(tmp_path, layout, f
     assert torch.equal(pool.tensors[0][:, :, 3], pool.tensors[0][:, :, 0])
     assert naive.disk.stats().reads_in_decode == 2
     assert naive.counters.restores == 1 and naive.counters.restore_misses == 1 and naive.counters.stall_s > 0
+    # the spilled block left the page cache, so the read inside decode went to the device
+    assert naive.counters.dropped == 1 and naive.counters.drop_failures == 0

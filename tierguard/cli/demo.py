@@ -24,7 +24,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--output-dir", default="tierguard-demo", help="where the report goes (default: ./tierguard-demo)"
     )
-    p.add_argument("--quick", action="store_true", help="a ~2-minute version: one context, short ladder")
+    p.add_argument("--quick", action="store_true", help="a ~2-minute version (CI): one context, no bisection, four variants")
     p.add_argument("--fresh", action="store_true", help="discard an earlier demo run in --output-dir")
     return p
 

@@ -39,6 +39,7 @@ def recommendations(data: RunData) -> list[str]:
     out += _long_sessions(data, done, ctxs)
     out += _nvme(data, ctxs[-1])
     out += _prefix(data)
+    out += _tier_cost(data, ctxs[-1])
     out += _quantize_and_ram(data, ctxs[-1])
     return out
 
@@ -97,8 +98,13 @@ def _nvme(data: RunData, long: int) -> list[str]:
     detail = ""
     miss = _first_miss(naive, long)
     if miss is not None:
-        twin = disk.cells.get(miss.key)
-        twin_itl = f" vs {fmt_ms(twin.p99['itl'].value)} ms under the contract" if twin else ""
+        # The contract's cell at the same load, or the nearest heavier one it ran.
+        heavier = [c for c in disk.ladder(long) if c.concurrency >= miss.concurrency]
+        twin = heavier[0] if heavier else None
+        twin_itl = ""
+        if twin is not None:
+            at = "" if twin.concurrency == miss.concurrency else f" at concurrency {twin.concurrency}"
+            twin_itl = f" vs {fmt_ms(twin.p99['itl'].value)} ms under the contract{at}"
         detail = (
             f" (at concurrency {miss.concurrency} its p99 ITL is {fmt_ms(miss.p99['itl'].value)} ms"
             f"{twin_itl})"
@@ -132,12 +138,16 @@ def _prefix(data: RunData) -> list[str]:
             continue
         p99, p99b = c.p99["ttft"].value, cb.p99["ttft"].value  # type: ignore[union-attr]
         if p < pb:
-            tail = (
-                f"; its p99 ({fmt_ms(p99)} vs {fmt_ms(p99b)} ms) is set by first uses and by the tier's "
-                "own background work, so size that work from p99, not from the median"
-                if p99 > p99b
-                else f", p99 {fmt_ms(p99)} vs {fmt_ms(p99b)} ms"
-            )
+            both = f"{fmt_ms(p99)} vs {fmt_ms(p99b)} ms"
+            if 0.9 * p99b <= p99 <= 1.1 * p99b:
+                tail = f"; p99 about the same ({both}): the first use of each prefix, which no tier helps"
+            elif p99 > p99b:
+                tail = (
+                    f"; its p99 is worse ({both}): the tier's background copies share the machine "
+                    "with compute, so size them from p99, not from the median"
+                )
+            else:
+                tail = f", p99 {both}"
             out.append(
                 f"Repeated prefixes: {v.name} turns recompute into loads - p50 TTFT {fmt_ms(p)} ms against "
                 f"{fmt_ms(pb)} ms for {bare.name}, which recomputes evicted prefixes{tail}."
@@ -149,6 +159,28 @@ def _prefix(data: RunData) -> list[str]:
                 "computing it, so a prefix tier is not worth its budget."
             )
     return out
+
+
+def _tier_cost(data: RunData, long: int) -> list[str]:
+    """A tier is not free: its copies share the machine with compute. Say so when the
+    ladder (no reuse) shows it."""
+    bare = next((v for v in data.variants if "no-tier" in v.tags and v.boundaries), None)
+    if bare is None or _best(bare, long) is None:
+        return []
+    b = _best(bare, long) or 0
+    slower = [
+        v
+        for v in data.variants
+        if {"host-tier", "disk-prefix"} & set(v.tags) and v.boundaries and (_best(v, long) or 0) < b
+    ]
+    if not slower:
+        return []
+    names = ", ".join(f"{v.name} {_b(_best(v, long))}" for v in slower)
+    return [
+        f"Without reuse a tier only costs: on unique prompts at {long} tokens the boundary is {names} "
+        f"against {b} for {bare.name}, since offload copies share the machine with compute. Enable a "
+        "tier for traffic that repeats prefixes or resumes sessions, not by default."
+    ]
 
 
 def _quantize_and_ram(data: RunData, long: int) -> list[str]:
