@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -21,8 +18,10 @@ from pathlib import Path
 
 import aiohttp
 
+from tierguard.cli.serve import READY_PREFIX as READY
+from tierguard.common.proc import ReadyProcess
+
 ROOT = Path(__file__).resolve().parents[1]
-READY = "tierguard serve: ready on "
 LOG_DIR = Path(tempfile.gettempdir()) / "tierguard_bench_logs"
 
 
@@ -59,25 +58,12 @@ def serve(name: str, flags: list[str], env: dict[str, str] | None = None) -> Ite
     """Start `tierguard serve --port 0 ...`, yield its base URL, stop it with SIGTERM."""
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "tierguard", "serve", "--model", "tiny", "--port", "0", *flags]
-    err = open(LOG_DIR / f"{name}.stderr.log", "w")  # noqa: SIM115 - closed in finally
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=full_env, start_new_session=True
-    )
-    try:
-        line = proc.stdout.readline() if proc.stdout else ""
-        if not line.startswith(READY):
-            raise RuntimeError(f"{name}: server did not start: {line!r}; see {err.name}")
-        yield line[len(READY) :].split()[0]
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        err.close()
+    child = ReadyProcess(
+        cmd, READY, env={"PYTHONPATH": str(ROOT), **(env or {})},
+        stderr_path=LOG_DIR / f"{name}.stderr.log", grace_s=60.0,
+    )  # fmt: skip
+    with child:
+        yield child.start(timeout_s=300).split()[0]
 
 
 async def stream_completion(

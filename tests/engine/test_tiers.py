@@ -4,8 +4,8 @@ swap to host and back, prefix reload from host and from disk, the decode guard, 
 from __future__ import annotations
 
 import pytest
-from conftest import make_engine, prompt_ids
 
+from tests.engine.conftest import make_engine, prompt_ids
 from tierguard.common.errors import TierguardError
 from tierguard.engine.api import SamplingParams
 from tierguard.engine.sequence import SequenceStatus

@@ -17,8 +17,9 @@ import textwrap
 import time
 
 import pytest
-from conftest import make_engine
-from test_tiers import GREEDY, PROMPTS, run
+
+from tests.engine.conftest import make_engine
+from tests.engine.test_tiers import GREEDY, PROMPTS, run
 
 
 @pytest.fixture(scope="module")

@@ -5,20 +5,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import signal
-import subprocess
 import sys
 
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-from conftest import prompt_ids
 
+from tests.engine.conftest import prompt_ids
+from tierguard.cli.serve import READY_PREFIX
 from tierguard.common.errors import TierguardError
+from tierguard.common.proc import ReadyProcess
 from tierguard.serve.tier_flags import add_tier_flags, tier_kwargs
-
-READY = "tierguard serve: ready on "
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -84,28 +81,13 @@ def test_health_degraded_but_serving_with_a_broken_disk_tier(tiny_dir, tmp_path)
     asyncio.run(go())
 
 
-def _start(disk, log) -> tuple[subprocess.Popen, str]:
+def _start(disk, log) -> ReadyProcess:
     cmd = [
         sys.executable, "-m", "tierguard", "serve", "--model", "tiny", "--port", "0",
         "--max-model-len", "1024", "--kv-cache-gib", "0.02",
         "--kv-host-gib", "0.02", "--kv-disk-dir", str(disk), "--kv-disk-gib", "0.1",
     ]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
-    line = proc.stdout.readline()
-    if not line.startswith(READY):
-        proc.kill()
-        raise AssertionError(f"server did not start: {line!r}")
-    return proc, line[len(READY) :].split()[0]
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    return ReadyProcess(cmd, READY_PREFIX, stderr_path=log)
 
 
 def _gauge(text: str, name: str) -> float:
@@ -131,18 +113,13 @@ async def _complete(url: str, prompt: list[int]) -> tuple[list, str]:
 
 def test_prefix_survives_a_server_restart(tmp_path):
     disk, prompt = tmp_path / "kv", prompt_ids(3, 300, vocab=4000)
-    with open(tmp_path / "stderr.log", "w") as log:
-        proc, url = _start(disk, log)
-        try:
-            first, metrics = asyncio.run(_complete(url, prompt))
-            assert _gauge(metrics, "tierguard:engine_kv_persisted_blocks") > 0
-        finally:
-            _stop(proc)
-        proc, url = _start(disk, log)
-        try:
-            again, metrics = asyncio.run(_complete(url, prompt))
-        finally:
-            _stop(proc)
+    with _start(disk, tmp_path / "first.log") as server:
+        url = server.start(timeout_s=300).split()[0]
+        first, metrics = asyncio.run(_complete(url, prompt))
+        assert _gauge(metrics, "tierguard:engine_kv_persisted_blocks") > 0
+    with _start(disk, tmp_path / "second.log") as server:  # a new process, same disk directory
+        url = server.start(timeout_s=300).split()[0]
+        again, metrics = asyncio.run(_complete(url, prompt))
     assert again == first
     assert _gauge(metrics, "tierguard:engine_kv_disk_hits") > 0
     assert _gauge(metrics, "tierguard:engine_kv_disk_reads_in_decode") == 0

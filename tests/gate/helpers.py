@@ -3,26 +3,27 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import aiohttp
 
+from tierguard.common.proc import ReadyProcess
+
 
 class GateProcess:
     """`tierguard gate` as a subprocess on an ephemeral port; a context manager."""
 
     def __init__(self, upstream: str, *flags: str, jobs_dir: str | Path, log: str | Path | None = None) -> None:
-        self.args = [sys.executable, "-m", "tierguard.cli.main", "gate", "--upstream", upstream, "--port", "0",
-                     "--jobs-dir", str(jobs_dir), *flags]
+        args = [sys.executable, "-m", "tierguard.cli.main", "gate", "--upstream", upstream, "--port", "0",
+                "--jobs-dir", str(jobs_dir), *flags]
         if log is not None:
-            self.args += ["--log", str(log)]
-        self.proc: subprocess.Popen | None = None
-        self.port = 0
+            args += ["--log", str(log)]
+        self.args = args
         self.stderr_path = Path(jobs_dir).parent / f"gate-{time.monotonic_ns()}.err"
+        self._child = ReadyProcess(args, "READY ", stderr_path=self.stderr_path, grace_s=5.0)
+        self.port = 0
 
     @property
     def url(self) -> str:
@@ -30,44 +31,25 @@ class GateProcess:
 
     @property
     def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
+        return self._child.pid
+
+    @property
+    def proc(self):
+        return self._child.proc
 
     def start(self, timeout_s: float = 20.0) -> GateProcess:
-        self._err = open(self.stderr_path, "w")  # noqa: SIM115
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=self._err, text=True,
-                                     env={**os.environ})
-        deadline = time.monotonic() + timeout_s
-        assert self.proc.stdout is not None
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if line.startswith("READY "):
-                self.port = int(line.split()[1])
-                return self
-            if not line and self.proc.poll() is not None:
-                break
-        self.stop()
-        raise RuntimeError(f"gate did not start: {self.stderr()}")
+        self.port = int(self._child.start(timeout_s).split()[0])
+        return self
 
     def stderr(self) -> str:
         return self.stderr_path.read_text() if self.stderr_path.exists() else ""
 
     def kill(self) -> None:
         """SIGKILL: the crash case; nothing gets a chance to clean up."""
-        if self.proc and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        self._child.kill()
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if getattr(self, "_err", None):
-            self._err.close()
+        self._child.stop()
 
     def __enter__(self) -> GateProcess:
         return self.start()

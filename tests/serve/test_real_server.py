@@ -7,18 +7,18 @@ stopped with SIGTERM at the end, which also tests the graceful shutdown.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
 import sys
 import time
 
 import aiohttp
 import pytest
 
+from tierguard.cli.serve import READY_PREFIX as READY
+from tierguard.common.proc import ReadyProcess
+
 # A few seconds in all: kept in the default run (the openai client test is a must-show).
 
-READY = "tierguard serve: ready on "
 API_KEY = "test-key"
 
 
@@ -49,24 +49,10 @@ def server(tmp_path_factory):
     ]
     # stderr to a file: a pipe nobody drains could fill up and stall the server.
     err_path = tmp_path_factory.mktemp("serve") / "stderr.log"
-    with open(err_path, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
-    proc.stderr_path = err_path
-    try:
-        line = proc.stdout.readline()
-        if not line.startswith(READY):
-            proc.kill()
-            raise AssertionError(f"server did not start: {line!r} {err_path.read_text()[-2000:]}")
-        url = line[len(READY) :].split()[0]
-        yield url, proc
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    with ReadyProcess(cmd, READY, stderr_path=err_path) as child:
+        url = child.start(timeout_s=300).split()[0]
+        child.proc.stderr_path = err_path
+        yield url, child.proc
 
 
 def _headers() -> dict:

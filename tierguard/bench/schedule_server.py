@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import itertools
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -29,6 +28,8 @@ import time
 from dataclasses import asdict, dataclass, fields
 
 from aiohttp import web
+
+from tierguard.common.proc import ReadyProcess
 
 KNOWN_FIELDS = {
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stream",
@@ -298,7 +299,7 @@ class ScheduleServer:
     def __init__(self, schedule: Schedule | None = None, **overrides) -> None:
         s = schedule or Schedule()
         self.schedule = Schedule(**{**asdict(s), **overrides})
-        self.proc: subprocess.Popen | None = None
+        self._child: ReadyProcess | None = None
         self.port = 0
 
     @property
@@ -310,27 +311,17 @@ class ScheduleServer:
         for k, v in asdict(self.schedule).items():
             if v is not None:
                 args += ["--" + k.replace("_", "-"), str(v)]
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env={**os.environ})
-        deadline = time.monotonic() + timeout_s
-        assert self.proc.stdout is not None
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if line.startswith("READY "):
-                self.port = int(line.split()[1])
-                return self
-            if not line and self.proc.poll() is not None:
-                break
-        self.stop()
-        raise RuntimeError("schedule server did not start")
+        self._child = ReadyProcess(args, "READY ", grace_s=5.0)
+        self.port = int(self._child.start(timeout_s).split()[0])
+        return self
+
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        return self._child.proc if self._child is not None else None
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self._child is not None:
+            self._child.stop()
 
     def __enter__(self) -> ScheduleServer:
         return self.start()
