@@ -144,7 +144,7 @@ def prefix_p50_ttft(data: RunData, v: VariantData, c: CellVerdict) -> float | No
     the first, cold use of each prefix, which no tier can help.)"""
     values = pooled(data.samples(v.name, c.key), "ttft")
     q = quantile(values, 0.5)
-    return None if math.isnan(q) else q
+    return q if math.isfinite(q) else None  # inf: most requests failed, there is no typical reuse
 
 
 def prefix_table(data: RunData) -> Table:

@@ -88,7 +88,7 @@ class Profile(_Strict):
 
     endpoint: Literal["/v1/completions", "/v1/chat/completions"] = "/v1/completions"
     model: str | None = None
-    tokenizer: str | None = None
+    tokenizer: str | None = None  # local tokenizer dir for exact lengths; "tiny" = the built-in model's
     # shared-prefix: each prompt of `context` tokens starts with one of `num_prefixes`
     # shared prefixes of round(prefix_share x context) tokens, interleaved so a prefix is
     # reused after `num_prefixes` other requests: the workload prefix tiers exist for.
