@@ -1,4 +1,5 @@
-"""`tierguard model create-tiny DIR`: write a random-weight Llama model + tokenizer."""
+"""`tierguard model`: write the tiny random-weight Llama model (+ tokenizer), or export a
+local Llama model to GGUF for llama.cpp (so the same weights run on both engines)."""
 
 from __future__ import annotations
 
@@ -23,14 +24,34 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     c.add_argument("--arch", choices=["llama", "mistral", "qwen2", "qwen3"], default="llama")
     c.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     c.add_argument("--tie-word-embeddings", action="store_true")
+    g = sub.add_parser("export-gguf", help="convert a local Llama model directory to GGUF (needs `pip install gguf`)")
+    g.add_argument("dir", help="local HF model directory, or 'tiny' for the built-in tiny model")
+    g.add_argument("out", help="GGUF file to write")
+    g.add_argument("--dtype", choices=["f32", "f16"], default="f32")
     return p
+
+
+def _export(args: argparse.Namespace) -> int:
+    from tierguard.model.gguf_export import export_gguf
+
+    model_dir = args.dir
+    if model_dir == "tiny":
+        from tierguard.model.tiny import ensure_tiny_model
+
+        model_dir = ensure_tiny_model()
+    out = export_gguf(model_dir, args.out, dtype=args.dtype)
+    print(f"wrote {out.path}: {out.tensors} tensors, vocab {out.vocab_size}, {out.dtype}")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
     from tierguard.common.errors import TierguardError
 
-    if getattr(args, "model_command", None) != "create-tiny":
-        raise TierguardError("usage: tierguard model create-tiny DIR [--layers N --hidden N ...]")
+    command = getattr(args, "model_command", None)
+    if command == "export-gguf":
+        return _export(args)
+    if command != "create-tiny":
+        raise TierguardError("usage: tierguard model create-tiny DIR [--layers N ...] | export-gguf DIR OUT")
     from tierguard.model.tiny import create_tiny
 
     path = create_tiny(
