@@ -93,10 +93,6 @@ def run(args: argparse.Namespace) -> int:
     from tierguard.sweep.matrix import load_matrix
 
     matrix = load_matrix(args.matrix)
-    if matrix.profile.tokenizer == "tiny":  # the built-in tiny model's tokenizer (built on first use)
-        from tierguard.model.tiny import ensure_tiny_model
-
-        matrix.profile.tokenizer = str(ensure_tiny_model())
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(matrix.name)
     if args.fresh and run_dir.exists():
         if not (run_dir / "state.json").exists():

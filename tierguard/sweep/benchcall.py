@@ -119,7 +119,11 @@ def bench_argv(
         argv += ["--no-ignore-eos"]
     if model:
         argv += ["--model", model]
-    if p.tokenizer:
+    if p.tokenizer == "tiny":  # the built-in model's tokenizer; resolved here so the matrix stays as written
+        from tierguard.model.tiny import ensure_tiny_model
+
+        argv += ["--tokenizer", str(ensure_tiny_model())]
+    elif p.tokenizer:
         argv += ["--tokenizer", p.tokenizer]
     limits = slo.limits()
     argv += ["--slo", ",".join(f"{k}={v:g}" for k, v in limits.items())]
