@@ -117,6 +117,13 @@ def test_prefix_survives_a_server_restart(tmp_path):
         url = server.start(timeout_s=300).split()[0]
         first, metrics = asyncio.run(_complete(url, prompt))
         assert _gauge(metrics, "tierguard:engine_kv_persisted_blocks") > 0
+        # R13: the tier's device latency as a real histogram per transfer route
+        counts = {
+            line.split('route="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+            for line in metrics.splitlines()
+            if line.startswith("tierguard:kv_transfer_latency_seconds_count{")
+        }
+        assert counts.get("device_to_host", 0) > 0 and counts.get("host_to_disk", 0) > 0, counts
     with _start(disk, tmp_path / "second.log") as server:  # a new process, same disk directory
         url = server.start(timeout_s=300).split()[0]
         again, metrics = asyncio.run(_complete(url, prompt))

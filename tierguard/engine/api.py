@@ -11,6 +11,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from tierguard.common.histogram import LatencyHistogram
+
 
 @dataclass
 class SamplingParams:
@@ -73,6 +75,8 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     extra: dict[str, float] = field(default_factory=dict)  # tier counters etc.
+    # Latencies the engine measures itself, e.g. KV transfers per route ("host_to_device").
+    histograms: dict[str, LatencyHistogram] = field(default_factory=dict)
 
     @property
     def kv_usage(self) -> float:

@@ -247,6 +247,7 @@ class LLMEngine:
                 # kv_* tier and contract counters
                 **(self.tiers.stats(self.tier_stats_max_age_s) if self.tiers is not None else {}),
             },
+            histograms=self.tiers.store.worker.latency_histograms() if self.tiers is not None else {},
         )
 
     def check_integrity(self) -> None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tierguard.common.histogram import LatencyHistogram
 from tierguard.kv.disk_tier import DiskTier
 from tierguard.kv.faults import FaultInjector
 from tierguard.kv.host_tier import HostTier
@@ -73,6 +74,7 @@ class RouteStats:
     blocks: int = 0
     bytes: int = 0
     latencies_s: deque[float] = field(default_factory=lambda: deque(maxlen=2048))
+    latency: LatencyHistogram = field(default_factory=LatencyHistogram)  # all jobs, for /metrics
 
 
 class TransferWorker:
@@ -129,6 +131,11 @@ class TransferWorker:
             done, self._finished = self._finished, []
         return done
 
+    def latency_histograms(self) -> dict[str, LatencyHistogram]:
+        """A copy of each route's job latency histogram, keyed "src_to_dst"."""
+        with self._lock:
+            return {f"{src.value}_to_{dst.value}": rs.latency.snapshot() for (src, dst), rs in self.route_stats.items()}
+
     @property
     def queue_depth(self) -> int:
         with self._lock:
@@ -159,6 +166,7 @@ class TransferWorker:
             stats.blocks += sum(block_ok)
             stats.bytes += sum(block_ok) * self.host.block_bytes
             stats.latencies_s.append(seconds)
+            stats.latency.observe(seconds)
             self._in_flight.discard(job_id)
             self._finished.append(result)
 

@@ -19,7 +19,7 @@ import re
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from tierguard.engine.api import AsyncEngine, StepStats
@@ -119,6 +119,15 @@ class _EngineCollector(Collector):
         )
         for key, value in sorted(s.extra.items()):
             yield self._gauge("tierguard:engine_" + _sanitize(key), f"Engine counter {key!r}.", value)
+        if s.histograms:
+            h = HistogramMetricFamily(
+                "tierguard:kv_transfer_latency_seconds",
+                "KV tier transfer job latency per route (R13: a tier's device latency).",
+                labels=["model_name", "route"],
+            )
+            for route, hist in sorted(s.histograms.items()):
+                h.add_metric([self._model, route], hist.cumulative(), sum_value=hist.total_s)
+            yield h
 
 
 def _sanitize(key: str) -> str:
