@@ -28,7 +28,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="tierguard", description=__doc__.splitlines()[0])
+    parser = _Parser(
+        prog="tierguard",
+        description="LLM inference that borrows host RAM and NVMe without letting p99 latency collapse, "
+        "and proves it by measurement.",
+    )
     parser.add_argument("--version", action="version", version=f"tierguard {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in COMMANDS:

@@ -8,7 +8,7 @@ import json
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("model", help="create the tiny random-weight model used by demos and tests")
+    p = subparsers.add_parser("model", help="create the tiny random-weight model used by demos and tests, or export a model to GGUF")
     sub = p.add_subparsers(dest="model_command", metavar="ACTION")
     c = sub.add_parser(
         "create-tiny", help="write a random-weight HF model directory (deterministic under --seed)"
