@@ -41,6 +41,10 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.output_dir)
     if out.exists() and not out.is_dir():
         raise TierguardError(f"--output-dir {str(out)!r} exists and is not a directory")
+    try:  # fail now, not after minutes of sweeping
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise TierguardError(f"--output-dir {str(out)!r} cannot be created: {exc.strerror or exc}") from None
     run_dir = out / ("run-quick" if args.quick else "run")
     if args.fresh and run_dir.exists():
         shutil.rmtree(run_dir)

@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
 
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
-        raise TierguardError(f"run directory {str(run_dir)!r} does not exist")
+        raise TierguardError(f"run directory {str(run_dir)!r} is not a directory (give the --run-dir of a sweep)")
     files = write_report(run_dir, Path(args.output_dir) if args.output_dir else None)
     print_boundary(run_dir, files.recommendations)
     print(f"report:   {files.html}")

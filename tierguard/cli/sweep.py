@@ -98,6 +98,10 @@ def run(args: argparse.Namespace) -> int:
         if not (run_dir / "state.json").exists():
             raise TierguardError(f"--fresh: {run_dir} is not a sweep run directory; not deleting it")
         shutil.rmtree(run_dir)
+    try:  # fail now with one line, not with a traceback once the first engine is up
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise TierguardError(f"--run-dir {str(run_dir)!r} cannot be created: {exc.strerror or exc}") from None
     return run_sweep(matrix, run_dir, Path(args.matrix).read_text(), report=not args.no_report)
 
 
