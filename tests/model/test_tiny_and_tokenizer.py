@@ -141,3 +141,13 @@ def test_cli_create_tiny(tmp_path, capsys):
     assert "LlamaForCausalLM" in capsys.readouterr().out
     assert cli_main(["model", "create-tiny", str(tmp_path / "bad"), "--hidden", "30", "--heads", "4"]) == 2
     assert "--hidden" in capsys.readouterr().err
+
+
+def test_unwritable_output_is_one_line_and_exit_2(tmp_path, capsys):
+    from tierguard.cli.main import main
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    assert main(["model", "create-tiny", str(blocker / "model")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tierguard: error:") and err.count("\n") == 1 and str(blocker) in err

@@ -58,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     except TierguardError as exc:
         print(f"tierguard: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except OSError as exc:  # a path the user named cannot be read or written: their problem, one line
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"tierguard: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("tierguard: interrupted", file=sys.stderr)
         return 130
