@@ -13,7 +13,7 @@ from tierguard.kv import disk_format as fmt
 from tierguard.kv.faults import FaultInjector
 from tierguard.kv.guard import ColdContractViolation, decode_guard
 from tierguard.kv.spec import DevicePool, KVLayout
-from tierguard.kv.store import KVTierStore, PollResult
+from tierguard.kv.store import KVTierStore, PollResult, quantile_ms
 
 from .conftest import wait_until
 
@@ -208,3 +208,11 @@ def test_naive_sync_disk_reads_inside_decode_and_counts_them(tmp_path, layout, f
     assert naive.counters.restores == 1 and naive.counters.restore_misses == 1 and naive.counters.stall_s > 0
     # the spilled block left the page cache, so the read inside decode went to the device
     assert naive.counters.dropped == 1 and naive.counters.drop_failures == 0
+
+
+def test_quantile_ms_is_nearest_rank_over_sorted_seconds():
+    lat = [i / 1000 for i in range(1, 101)]  # 1 .. 100 ms, ascending
+    assert quantile_ms(lat, 0.5) == pytest.approx(51.0)
+    assert quantile_ms(lat, 0.99) == pytest.approx(100.0)
+    assert quantile_ms([0.002], 0.99) == pytest.approx(2.0)  # one sample: itself
+    assert quantile_ms([], 0.99) == 0.0

@@ -123,13 +123,10 @@ class BlockPool:
 
     def evict_all_cached(self) -> int:
         """Drop every cached-free block (e.g. to reset the prefix cache). Returns the count."""
-        n = 0
-        while self._cached_free:
-            block_id, _ = self._cached_free.popitem(last=False)
-            self._evict(block_id)
-            self._free.append(block_id)
-            n += 1
-        return n
+        oldest_first = list(self._cached_free)
+        for block_id in oldest_first:
+            self.drop_cached(block_id)
+        return len(oldest_first)
 
     def _evict(self, block_id: int) -> None:
         entry = self.cached[block_id]

@@ -126,10 +126,9 @@ def build_engine(
     # so on CUDA the device memory it frees goes to the KV pool.
     WeightOffloader.attach(model, weights_offload_gib)
     per_block = kv_block_bytes(cfg, block_size, torch_dtype, kv_dtype)  # scales included
-    useful = max_num_seqs * (-(-max_model_len // block_size)) * per_block
-    budget = kv_budget_bytes(dev, kv_cache_gib, kv_cache_fraction, useful)
+    min_blocks = -(-max_model_len // block_size)  # one sequence of max_model_len
+    budget = kv_budget_bytes(dev, kv_cache_gib, kv_cache_fraction, max_num_seqs * min_blocks * per_block)
     num_blocks = budget // per_block
-    min_blocks = -(-max_model_len // block_size)
     if num_blocks < min_blocks:
         raise TierguardError(
             f"KV budget of {budget / GIB:.3f} GiB holds {num_blocks} blocks of {block_size} tokens, fewer than one "

@@ -64,7 +64,7 @@ class LLMEngine:
         self.tier_stats_max_age_s = 0.0  # the async engine, which asks after every step, raises it
         config.validate_tiers()
         if config.tiers_enabled:
-            self.tiers = _make_tiers(self, weights_id or model_name, dtype)
+            self.tiers = _make_tiers(self, weights_id or model_name)
             self.scheduler.tiers = self.tiers
         self.eos_ids = set(model_config.eos_token_ids)
         if tokenizer.eos_token_id is not None:
@@ -154,7 +154,7 @@ class LLMEngine:
             sched = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
         # Classified before postprocessing moves num_computed_tokens.
-        prefills = [s for s in sched.scheduled if s.seq.num_computed_tokens < s.seq.num_prompt_tokens]
+        prefills = [s for s in sched.scheduled if s.seq.is_prefill]
         if not sched.scheduled and self.tiers is not None and self.tiers.busy():
             time.sleep(IDLE_SLEEP_S)  # only loads/transfers outstanding: idle, do not spin
         if sched.scheduled:
@@ -279,13 +279,9 @@ class LLMEngine:
         return [results[rid] for rid in ids]
 
 
-def _make_tiers(engine: LLMEngine, model_id: str, dtype: torch.dtype) -> EngineTiers:
+def _make_tiers(engine: LLMEngine, model_id: str) -> EngineTiers:
     """The tier store over the runner's device pool, keyed by model and KV layout."""
-    from tierguard.kv.spec import DevicePool, KVLayout, dtype_name, fingerprint
+    from tierguard.kv.spec import fingerprint
 
-    runner, cfg = engine.runner, engine.model_config
-    layout = getattr(runner, "kv_layout", None) or KVLayout(
-        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, engine.config.block_size, dtype_name(dtype)
-    )
-    pool = getattr(runner, "device_pool", None) or DevicePool([runner.kv_cache])
-    return EngineTiers(engine.config, engine.pool, pool, fingerprint(model_id, layout))
+    runner = engine.runner
+    return EngineTiers(engine.config, engine.pool, runner.device_pool, fingerprint(model_id, runner.kv_layout))

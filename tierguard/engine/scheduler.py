@@ -59,10 +59,6 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)  # decodes (1 token) first
     preempted: list[Sequence] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
@@ -85,7 +81,7 @@ class Scheduler:
         return bool(self.waiting or self.running or (self.tiers is not None and self.tiers.loading))
 
     def requeue_front(self, seq: Sequence) -> None:
-        """A sequence whose staged load ended goes back to the head of the queue."""
+        """A preempted sequence, or one whose staged load ended, goes back to the head of the queue."""
         seq.status = SequenceStatus.WAITING
         seq.queued_at = time.monotonic()
         self.waiting[seq.seq_id] = seq
@@ -286,8 +282,5 @@ class Scheduler:
         self.bm.free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
-        seq.status = SequenceStatus.WAITING
-        seq.queued_at = time.monotonic()
-        self.waiting[seq.seq_id] = seq
-        self.waiting.move_to_end(seq.seq_id, last=False)
+        self.requeue_front(seq)
         self.num_preemptions += 1

@@ -64,7 +64,6 @@ class Sequence:
         self.queued_at = arrival  # when it last entered the waiting queue (admission aging)
         self.tier_checked = False  # host/disk tiers already consulted for this stage of work
         self.generator = None  # torch.Generator when params.seed is set
-        self.stop_reason: str | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -72,10 +71,6 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_pending_tokens(self) -> int:

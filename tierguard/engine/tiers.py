@@ -30,6 +30,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from tierguard.common.units import GIB
 from tierguard.engine.block_manager import PrefixMatch
 from tierguard.engine.block_pool import BlockPool
 from tierguard.engine.config import EngineConfig
@@ -39,9 +40,8 @@ from tierguard.kv.contract import BATCH, REQUEST_CLASSES, ColdContract, classify
 from tierguard.kv.faults import FaultInjector
 from tierguard.kv.naive import NaiveSyncDisk
 from tierguard.kv.spec import DevicePool
-from tierguard.kv.store import KVTierStore, LoadDone
+from tierguard.kv.store import KVTierStore, LoadDone, quantile_ms
 
-GIB = 1024**3
 # While a LOADING sequence or an in-flight transfer is the only work, a step sleeps this
 # long instead of spinning (the engine never waits *for* a transfer; it just idles).
 IDLE_SLEEP_S = 0.0005
@@ -292,7 +292,6 @@ class EngineTiers:
         c = self.counters
         out = dict(self.store.stats())
         out.update(self.contract.stats())
-        lat = sorted(c.load_seconds)
         out.update(
             {
                 "kv_loads_started": float(c.loads_started),
@@ -307,7 +306,7 @@ class EngineTiers:
                 "kv_device_evictions_uncopied": float(c.evicted_uncopied),
                 "kv_loading_seqs": float(len(self.loading)),
                 "kv_pinned_blocks": float(sum(self.pins.values())),
-                "kv_load_p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else 0.0,
+                "kv_load_p99_ms": quantile_ms(sorted(c.load_seconds), 0.99),
             }
         )
         if self.pager is not None:

@@ -52,8 +52,7 @@ class NaiveSyncDisk:
     def spill(self, block_hash: int, device_block: int) -> bool:
         """Copy one device block to disk now (blocking); False if the disk refused it."""
         t0 = time.perf_counter()
-        for tensor, view in zip(self.pool.tensors, self.pool.payload_views(self._bounce), strict=True):
-            view.copy_(tensor[:, :, device_block])  # synchronous on CUDA too: that is the point
+        self.pool.copy_block(device_block, self._bounce, to_device=False)  # synchronous on CUDA too: that is the point
         ok = self.disk.write(block_hash, self._bounce)
         if ok:
             self._drop_from_page_cache(block_hash)
@@ -66,8 +65,7 @@ class NaiveSyncDisk:
         t0 = time.perf_counter()
         ok = self.disk.read_into(block_hash, self._bounce)
         if ok:
-            for tensor, view in zip(self.pool.tensors, self.pool.payload_views(self._bounce), strict=True):
-                tensor[:, :, device_block].copy_(view)
+            self.pool.copy_block(device_block, self._bounce, to_device=True)
             self.counters.restores += 1
         else:
             self.counters.restore_misses += 1

@@ -172,3 +172,12 @@ class DevicePool:
             shape = t[:, :, 0].shape
             views.append(payload[offset : offset + nbytes].view(t.dtype).view(shape))
         return views
+
+    def copy_block(self, block_id: int, payload: torch.Tensor, to_device: bool, non_blocking: bool = False) -> None:
+        """Copy one block between the pool and a uint8 payload buffer (laid out as in
+        `payload_views`): into the pool when `to_device`, out of it otherwise."""
+        for t, view in zip(self.tensors, self.payload_views(payload), strict=True):
+            if to_device:
+                t[:, :, block_id].copy_(view, non_blocking=non_blocking)
+            else:
+                view.copy_(t[:, :, block_id], non_blocking=non_blocking)

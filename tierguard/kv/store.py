@@ -28,6 +28,13 @@ from tierguard.kv.spec import DevicePool, Medium
 from tierguard.kv.transfer import BlockTransfer, TransferResult, TransferSpec, TransferWorker
 
 
+def quantile_ms(sorted_s: list[float], q: float) -> float:
+    """Nearest-rank q-quantile of ascending latencies in seconds, in ms (0.0 when empty)."""
+    if not sorted_s:
+        return 0.0
+    return 1000 * sorted_s[min(len(sorted_s) - 1, int(q * len(sorted_s)))]
+
+
 @dataclass
 class LoadDone:
     request_id: str
@@ -247,10 +254,8 @@ class KVTierStore:
             out[f"kv_transfer_{src.value}_to_{dst.value}_bytes"] = rs.bytes
             lat = sorted(rs.latencies_s)
             if lat:
-                out[f"kv_transfer_{src.value}_to_{dst.value}_p50_ms"] = 1000 * lat[len(lat) // 2]
-                out[f"kv_transfer_{src.value}_to_{dst.value}_p99_ms"] = (
-                    1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))]
-                )
+                out[f"kv_transfer_{src.value}_to_{dst.value}_p50_ms"] = quantile_ms(lat, 0.5)
+                out[f"kv_transfer_{src.value}_to_{dst.value}_p99_ms"] = quantile_ms(lat, 0.99)
         if m.disk is not None:
             d = m.disk.stats()
             out.update(

@@ -182,12 +182,7 @@ class TransferWorker:
         for b in spec.blocks:
             if b.device_block is None:
                 raise ValueError(f"block {b.block_hash:#x} has no device block id")
-            views = self.pool.payload_views(self.host.slot_view(b.host_slot))
-            for tensor, view in zip(self.pool.tensors, views, strict=True):
-                if to_device:
-                    tensor[:, :, b.device_block].copy_(view, non_blocking=self._cuda)
-                else:
-                    view.copy_(tensor[:, :, b.device_block], non_blocking=self._cuda)
+            self.pool.copy_block(b.device_block, self.host.slot_view(b.host_slot), to_device, self._cuda)
         return [True] * len(spec.blocks)
 
     def _device_to_host(self, spec: TransferSpec) -> list[bool]:
