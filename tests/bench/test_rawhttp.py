@@ -67,3 +67,24 @@ def test_connection_close_delimited_body_ends_on_close():
         assert fut.done() and fut.exception() is None and rec.chunk_tokens == [1, 1, 1]
     finally:
         loop.close()
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nnot hex\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: lots\r\n\r\nbody",
+    ],
+)
+def test_malformed_framing_fails_the_request_instead_of_hanging(raw):
+    from tierguard.bench.rawhttp import TransportFailed
+
+    loop = asyncio.new_event_loop()
+    try:
+        fut = loop.create_future()
+        resp = _Response(SSEAccumulator(RequestRecord(index=0)), 0.0, fut)
+        resp.on_data(raw)  # must not raise into the transport callback
+        assert fut.done() and isinstance(fut.exception(), TransportFailed)
+        assert "malformed HTTP response" in str(fut.exception()) and not resp.keep_alive
+    finally:
+        loop.close()

@@ -104,3 +104,33 @@ def test_job_store_atomic_states_and_restart(tmp_path):
     assert again.load("../etc/passwd") is None
     assert (tmp_path / "jobs" / f"{a.id}.json").stat().st_mode & 0o077 == 0
     json.loads((tmp_path / "jobs" / f"{a.id}.json").read_text())
+
+
+def test_a_job_that_fails_unexpectedly_gives_its_slot_back(tmp_path):
+    """The worker survives a bug in the upstream call (the job records it) and the slot is
+    released: otherwise every such job would shrink the gate's concurrency for good."""
+    from tierguard.gate.admission import AdmissionController
+    from tierguard.gate.reqlog import RequestLog
+    from tierguard.gate.runner import JobRunner
+
+    class BrokenUpstream:
+        async def post_json(self, path: str, body: dict) -> tuple[int, dict]:
+            raise RuntimeError("a bug, not an upstream failure")
+
+    async def go():
+        store = JobStore(tmp_path / "jobs")
+        controller = AdmissionController(AdmissionPolicy(max_concurrency=1).validate())
+        runner = JobRunner(store, controller, BrokenUpstream(), RequestLog(None), workers=1)
+        runner.start()
+        job = store.create("/v1/completions", {"prompt": "x"}, 3)
+        runner.submit(job)
+        for _ in range(200):
+            if store.load(job.id).status == "failed":
+                break
+            await asyncio.sleep(0.01)
+        await runner.stop()
+        return store.load(job.id), controller.stats()
+
+    job, stats = asyncio.run(go())
+    assert job.status == "failed" and "RuntimeError" in job.error
+    assert sum(stats.in_flight.values()) == 0, stats.in_flight

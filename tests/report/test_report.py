@@ -103,3 +103,16 @@ def test_boundary_comes_before_the_recommendation(run_dir, tmp_path, capsys):
     print_boundary(run_dir, files.recommendations)
     out = capsys.readouterr().out
     assert out.index("Boundary") < out.index("Recommendation") < out.index(files.recommendations[0][:20])
+
+
+def test_samples_of_a_cell_are_read_once(run_dir, monkeypatch):
+    import tierguard.report.load as load_mod
+
+    data = load_run(run_dir)
+    calls = []
+    real = load_mod.load_samples
+    monkeypatch.setattr(load_mod, "load_samples", lambda d: calls.append(d) or real(d))
+    first = data.samples("small", "ladder-ctx64-c1")
+    second = data.samples("small", "ladder-ctx64-c1")
+    assert first and first == second
+    assert len(calls) == len({*calls})  # each repeat directory parsed exactly once

@@ -101,3 +101,35 @@ def test_chat_over_the_input_cap_is_downgraded_keeping_the_system_prompt(engine)
     before, after = (int(x) for x in downgraded.split("->"))
     assert before == full_count and after <= 120 - 8
     assert body["usage"]["prompt_tokens"] == after
+
+
+def test_downgrade_runs_the_ids_it_counted_without_encoding_the_trimmed_chat_again():
+    """The trimmed chat's ids come from the trim's own last count (one encode per count)."""
+    from tierguard.gate import AdmissionController
+    from tierguard.serve.admission import admitted
+
+    calls: list[list[dict]] = []  # the message lists encoded, in order
+
+    async def encode_chat(msgs: list[dict]) -> list[int]:
+        calls.append(msgs)
+        return [len(m["content"]) % 7 for m in msgs for _ in m["content"].split()]
+
+    filler = " ".join(["w"] * 40)
+    messages = [{"role": "system", "content": "s"}]
+    messages += [{"role": r, "content": filler} for r in ("user", "assistant") * 3]
+    messages.append({"role": "user", "content": "last"})
+    controller = AdmissionController(AdmissionPolicy(max_concurrency=1, max_input_tokens=60,
+                                                     downgrade_reserve_tokens=0))
+
+    async def go():
+        ids = await encode_chat(messages)
+        calls.clear()
+        async with admitted(controller, ids, "interactive", messages, encode_chat) as slot:
+            return slot, list(calls)
+
+    slot, encoded = asyncio.run(go())
+    assert slot.downgraded_from is not None and len(slot.ids) <= 60
+    assert slot.ids == asyncio.run(encode_chat(slot.messages))
+    assert encoded and encoded[-1] is slot.messages
+    # no list was encoded twice in a row (the trim's last count is reused, not redone)
+    assert all(a is not b for a, b in zip(encoded, encoded[1:], strict=False))

@@ -15,6 +15,7 @@ recorded on the request and remembered for later requests).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from tierguard.bench.rawhttp import ConnectFailed, RawClient, TransportFailed
 from tierguard.bench.records import FAILED, REJECTED, TIMEOUT, RequestRecord
 from tierguard.bench.sse import SSEAccumulator, error_message, resolve_token_counts
 
-__all__ = ["AiohttpClient", "OpenAIBackend", "Quirks", "make_client", "resolve_token_counts"]
+__all__ = ["AiohttpClient", "OpenAIBackend", "Quirks", "make_client", "open_client", "resolve_token_counts"]
 OPTIONAL_FIELDS = ("ignore_eos", "continuous_usage_stats", "stream_options")
 
 
@@ -104,6 +105,15 @@ def _trace_config() -> aiohttp.TraceConfig:
 def make_client(base_url: str, kind: str = "auto"):
     """RawClient for plain http (the fast path), aiohttp for https or when asked for."""
     return RawClient(base_url) if kind == "auto" and base_url.startswith("http://") else AiohttpClient(base_url)
+
+
+async def open_client(stack: contextlib.AsyncExitStack, base_url: str, kind: str = "auto"):
+    """`make_client`, entered on `stack`: closed (an aiohttp session shut too) when it unwinds."""
+    client = make_client(base_url, kind)
+    if isinstance(client, AiohttpClient):
+        await stack.enter_async_context(client)
+    stack.callback(client.close)
+    return client
 
 
 class OpenAIBackend:

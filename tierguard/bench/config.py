@@ -123,6 +123,11 @@ class BenchConfig:
         """Rate inf with a concurrency limit: each request is due when a slot opens."""
         return math.isinf(self.request_rate) and self.max_concurrency is not None and self.dataset != "trace"
 
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        """The Authorization header for every request to the server (empty without a key)."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
     def validate(self) -> BenchConfig:
         def need(cond: bool, msg: str) -> None:
             if not cond:

@@ -17,6 +17,7 @@ import signal
 import tempfile
 import time
 import traceback
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from tierguard.bench.config import BenchConfig
@@ -51,15 +52,26 @@ def _child(plan: WorkerPlan, t0_value, go, stop, q, result_path: str) -> None:
         Path(result_path + ".err").write_text(traceback.format_exc())
 
 
-async def _supervise(cfg: BenchConfig, procs, q, stop, live: LiveStats) -> tuple[MetricsScraper, bool]:
+@contextlib.asynccontextmanager
+async def scraping_until_sigint(cfg: BenchConfig, on_sigint: Callable[[], None]) -> AsyncIterator[MetricsScraper]:
+    """While the run lasts: Ctrl-C calls `on_sigint` (a graceful stop, not a traceback) and
+    the server's /metrics is scraped; both are undone however the body ends."""
     loop = asyncio.get_running_loop()
-    interrupted = asyncio.Event()
     with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-        loop.add_signal_handler(signal.SIGINT, interrupted.set)
-    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    scraper = MetricsScraper(cfg.base_url, headers, cfg.scrape_interval_s)
+        loop.add_signal_handler(signal.SIGINT, on_sigint)
+    scraper = MetricsScraper(cfg.base_url, cfg.auth_headers, cfg.scrape_interval_s)
     scraper.start()
     try:
+        yield scraper
+    finally:
+        await scraper.stop()
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.remove_signal_handler(signal.SIGINT)
+
+
+async def _supervise(cfg: BenchConfig, procs, q, stop, live: LiveStats) -> tuple[MetricsScraper, bool]:
+    interrupted = asyncio.Event()
+    async with scraping_until_sigint(cfg, interrupted.set) as scraper:
         while any(p.is_alive() for p in procs):
             if interrupted.is_set():
                 stop.set()
@@ -67,10 +79,6 @@ async def _supervise(cfg: BenchConfig, procs, q, stop, live: LiveStats) -> tuple
             live.refresh()
             await asyncio.sleep(0.25)
         _drain(q, live)
-    finally:
-        await scraper.stop()
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            loop.remove_signal_handler(signal.SIGINT)
     return scraper, interrupted.is_set()
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from tierguard.bench.backend import AiohttpClient, OpenAIBackend, Quirks, make_client
+from tierguard.bench.backend import OpenAIBackend, Quirks, open_client
 from tierguard.bench.config import BenchConfig
 from tierguard.bench.records import RequestRecord
 from tierguard.common.errors import TierguardError
@@ -27,10 +27,10 @@ class Preflight:
     quirks: Quirks
 
 
-async def _resolve_model(session: aiohttp.ClientSession, cfg: BenchConfig, headers: dict[str, str]) -> str:
+async def _resolve_model(session: aiohttp.ClientSession, cfg: BenchConfig) -> str:
     url = cfg.base_url.rstrip("/") + "/v1/models"
     try:
-        async with session.get(url, headers=headers) as resp:
+        async with session.get(url, headers=cfg.auth_headers) as resp:
             if resp.status == 200:
                 data = await resp.json(content_type=None)
                 models = [m.get("id") for m in data.get("data", []) if isinstance(m, dict)]
@@ -44,18 +44,14 @@ async def _resolve_model(session: aiohttp.ClientSession, cfg: BenchConfig, heade
 
 
 async def preflight(cfg: BenchConfig) -> Preflight:
-    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     timeout = aiohttp.ClientTimeout(total=min(cfg.timeout, 60.0), sock_connect=10.0)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        model = cfg.model or await _resolve_model(session, cfg, headers)
+        model = cfg.model or await _resolve_model(session, cfg)
     backend = OpenAIBackend(cfg.endpoint, model, cfg.api_key, cfg.ignore_eos, cfg.temperature, min(cfg.timeout, 60.0))
     rec = RequestRecord(index=0)
-    client = make_client(cfg.base_url, cfg.http_client)
     url = cfg.base_url.rstrip("/") + cfg.endpoint
     async with contextlib.AsyncExitStack() as stack:
-        if isinstance(client, AiohttpClient):
-            await stack.enter_async_context(client)
-        stack.callback(client.close)
+        client = await open_client(stack, cfg.base_url, cfg.http_client)
         await backend.send(client, "Hello", 4, rec, time.monotonic())
     if rec.ok:
         return Preflight(model, backend.quirks)

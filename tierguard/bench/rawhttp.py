@@ -68,6 +68,14 @@ class _Response:
         self.keep_alive = True
 
     def on_data(self, data: bytes) -> None:
+        try:
+            self._on_data(data)
+        except ValueError as exc:  # bad status line, chunk size or Content-Length: a broken server
+            self.keep_alive = False
+            if not self.fut.done():
+                self.fut.set_exception(TransportFailed(f"malformed HTTP response from the server: {exc}"))
+
+    def _on_data(self, data: bytes) -> None:
         now = time.monotonic() - self.t0
         self.got_bytes = True
         if not self.status:

@@ -10,10 +10,8 @@ on success, on server failure and on Ctrl-C alike (`interrupted` says which).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
-import signal
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -29,7 +27,6 @@ from tierguard.bench.progress import LiveStats, brief
 from tierguard.bench.prompts import PromptMaker, TokenizerPrompts, make_prompt_maker
 from tierguard.bench.records import RequestRecord
 from tierguard.bench.results import write_run
-from tierguard.bench.scrape import MetricsScraper
 from tierguard.bench.selfcheck import assess, cpu_seconds
 from tierguard.bench.stats import summarize, timeseries
 from tierguard.bench.strategy import TraceArrivals, make_arrivals
@@ -115,33 +112,25 @@ def mark_phases(records: list[RequestRecord], cfg: BenchConfig) -> list[RequestR
 
 
 async def _single(cfg: BenchConfig, plan: WorkerPlan, live: LiveStats) -> tuple:
-    loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-        loop.add_signal_handler(signal.SIGINT, stop.set)
-    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    scraper = MetricsScraper(cfg.base_url, headers, cfg.scrape_interval_s)
-    scraper.start()
 
     async def refresher() -> None:
         while True:
             live.refresh()
             await asyncio.sleep(0.5)
 
-    ticker = loop.create_task(refresher())
-    try:
-        out = await run_worker(plan, lambda: time.monotonic() + 0.05, stop.is_set, lambda r: live.add(brief(r)))
-    finally:
-        ticker.cancel()
-        await scraper.stop()
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            loop.remove_signal_handler(signal.SIGINT)
+    async with multiproc.scraping_until_sigint(cfg, stop.set) as scraper:
+        ticker = asyncio.get_running_loop().create_task(refresher())
+        try:
+            out = await run_worker(plan, lambda: time.monotonic() + 0.05, stop.is_set, lambda r: live.add(brief(r)))
+        finally:
+            ticker.cancel()
     return [out], scraper, stop.is_set()
 
 
 def run_bench(cfg: BenchConfig) -> BenchResult:
     cfg.validate()
-    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    headers = cfg.auth_headers
     run_info: dict = {"config": cfg.to_json(), "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     out_dir = Path(cfg.output_dir) if cfg.output_dir else None
     try:

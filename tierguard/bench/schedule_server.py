@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, fields
 from aiohttp import web
 
 from tierguard.common.proc import ReadyProcess
+from tierguard.serve.responses import usage
 
 KNOWN_FIELDS = {
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stream",
@@ -159,9 +160,8 @@ class _Handler:
         text = " tok" * n
         choice = {"index": 0, "finish_reason": "length"}
         choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
-        usage = {"prompt_tokens": n_prompt, "completion_tokens": n, "total_tokens": n_prompt + n}
         return {"id": f"req-{idx}", "object": "chat.completion" if chat else "text_completion",
-                "model": self.s.model, "choices": [choice], "usage": usage}
+                "model": self.s.model, "choices": [choice], "usage": usage(n_prompt, n)}
 
     async def _stream(self, request, body, chat, n_tokens, n_prompt, idx, start, stalled, arrived):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -223,9 +223,8 @@ class _Handler:
             if not await done:
                 return resp
             if include_usage:
-                usage = {"prompt_tokens": n_prompt, "completion_tokens": n_tokens,
-                         "total_tokens": n_prompt + n_tokens}
-                final = {"id": f"req-{idx}", "object": obj, "model": self.s.model, "choices": [], "usage": usage}
+                final = {"id": f"req-{idx}", "object": obj, "model": self.s.model, "choices": [],
+                         "usage": usage(n_prompt, n_tokens)}
                 await resp.write(f"data: {json.dumps(final)}\n\n".encode())
             if self.s.send_done:
                 await resp.write(b"data: [DONE]\n\n")

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tierguard.bench.backend import AiohttpClient, OpenAIBackend, Quirks, make_client
+from tierguard.bench.backend import OpenAIBackend, Quirks, open_client
 from tierguard.bench.datasets import RequestSpec
 from tierguard.bench.records import CANCELLED, RequestRecord
 from tierguard.bench.selfcheck import LoopLagMonitor, WorkerHealth, cpu_seconds
@@ -100,11 +100,8 @@ async def run_worker(plan: WorkerPlan, start_at: Callable[[], float], should_sto
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 
-    client = make_client(plan.base_url, plan.http_client)
     async with contextlib.AsyncExitStack() as stack:
-        if isinstance(client, AiohttpClient):
-            await stack.enter_async_context(client)
-        stack.callback(client.close)
+        client = await open_client(stack, plan.base_url, plan.http_client)
         if plan.preconnect:
             # Open connections before t0 so TCP set-up is not inside the first wave's TTFT
             # (a connection opened later is still timed: `connect_ms`).
@@ -128,7 +125,8 @@ async def run_worker(plan: WorkerPlan, start_at: Callable[[], float], should_sto
                     if (plan.duration_s is not None and now >= plan.duration_s) or should_stop():
                         limiter.release()
                         break
-                    spawn(plan.specs[k % len(plan.specs)], _new_record(plan, plan.specs[k % len(plan.specs)], k, now, now), True)
+                    spec = plan.specs[k % len(plan.specs)]
+                    spawn(spec, _new_record(plan, spec, k, now, now), True)
                     k += 1
             else:
                 for k, (spec, off) in enumerate(zip(plan.specs, plan.offsets, strict=True)):

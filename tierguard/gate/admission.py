@@ -58,6 +58,10 @@ class Ticket:
     admitted_at: float
     _released: bool = field(default=False, repr=False)
 
+    def headers(self) -> dict[str, str]:
+        """What the response tells the client about its admission (gate and serve alike)."""
+        return {"X-Tierguard-Class": self.klass, "X-Tierguard-Queue-Ms": f"{self.queue_wait_s * 1000:.1f}"}
+
 
 class AdmissionDecision(Exception):
     """Base of every refusal; `reason` is a short snake_case label counted in metrics."""

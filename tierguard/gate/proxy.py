@@ -94,7 +94,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def _forward(state: GateState, request: web.Request, route: str, body: dict, rec: RequestRecord,
                    arrived: float, ticket) -> web.StreamResponse:
-    headers = {"X-Tierguard-Class": ticket.klass, "X-Tierguard-Queue-Ms": f"{ticket.queue_wait_s * 1000:.1f}"}
+    headers = ticket.headers()
     if rec.downgraded_from is not None:
         headers["X-Tierguard-Downgraded"] = f"{rec.downgraded_from}->{rec.input_tokens}"
     try:

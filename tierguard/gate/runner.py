@@ -76,9 +76,11 @@ class JobRunner:
         job.status, job.attempts = "running", job.attempts + 1
         self.store.save(job)
         try:
-            status, data = await self.upstream.post_json(job.route, job.body)
+            try:
+                status, data = await self.upstream.post_json(job.route, job.body)
+            finally:  # the slot goes back as the call ends: before any back-off, and on a bug too
+                self.controller.release(ticket)
         except UpstreamError as exc:
-            self.controller.release(ticket)
             if exc.kind == "unreachable" and job.attempts < MAX_ATTEMPTS:
                 job.status = "queued"
                 self.store.save(job)
@@ -87,7 +89,6 @@ class JobRunner:
                 return
             self._finish(job, "failed", exc.status, None, exc.message)
             return
-        self.controller.release(ticket)
         self._finish(job, "succeeded" if status == 200 else "failed", status, data,
                      None if status == 200 else "upstream answered with an error")
         usage = data.get("usage") or {}

@@ -56,10 +56,6 @@ def user_configs(extra_dirs: list[str] | None = None) -> dict[str, Path]:
     return found
 
 
-def catalogue_names(extra_dirs: list[str] | None = None) -> list[str]:
-    return sorted(builtin_configs()) + sorted(user_configs(extra_dirs))
-
-
 def _lookup(name: str, table: dict) -> str | None:
     """Exact name, else a unique case-insensitive match on the full or short name."""
     if name in table:

@@ -136,10 +136,6 @@ class WeightFormat:
     linear_bytes: float
     embed_bytes: float
 
-    @property
-    def is_gguf(self) -> bool:
-        return self.name in _GGUF
-
 
 def weight_format(name: str, torch_dtype: str | None = None, quant: dict | None = None) -> WeightFormat:
     """Resolve `--weights-dtype`; `auto` honours the checkpoint's quantization_config.

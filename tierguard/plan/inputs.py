@@ -92,12 +92,14 @@ def validate(p: PlanInputs, spec: ModelSpec) -> tuple[list[int], int]:
     max_pos = spec.max_position_embeddings
     if p.max_model_len is not None:
         _positive_int(p.max_model_len, "--max-model-len")
-    if p.output_len >= min(x for x in (max_pos, p.max_model_len, 2**62) if x is not None):
+    # The tightest length limit; 2**62 stands for "none given" (no max_pos, no --max-model-len).
+    cap = min(x for x in (max_pos, p.max_model_len, 2**62) if x is not None)
+    if p.output_len >= cap:
         raise TierguardError(f"--output-len {p.output_len} leaves no room for a prompt")
     contexts = list(p.contexts or [])
     if not contexts:
         # R9: 2k, 8k, 32k and the product maximum, as far as the model (and max_model_len) allow.
-        limit = min(x for x in (max_pos, p.max_model_len, 2**62) if x is not None) - p.output_len
+        limit = cap - p.output_len
         contexts = [c for c in STANDARD_CONTEXTS if c <= limit]
         if limit < 2**61 and limit > max(contexts, default=0):
             contexts.append(limit)

@@ -63,14 +63,19 @@ class RunData:
     variants: list[VariantData]
     environment: dict
     boundary: dict
+    # (variant, cell key) -> samples: tables, plots and recommendations ask for the same
+    # cells, and each read parses every repeat's requests.jsonl.
+    _samples: dict[tuple[str, str], list[RequestSample]] = field(default_factory=dict, repr=False)
 
     def samples(self, variant: str, key: str) -> list[RequestSample]:
-        cell_dir = self.run_dir / variant / key
-        out: list[RequestSample] = []
-        for r in sorted(cell_dir.glob("r*")):
-            if r.is_dir():
-                out.extend(load_samples(r))
-        return out
+        if (variant, key) not in self._samples:
+            cell_dir = self.run_dir / variant / key
+            out: list[RequestSample] = []
+            for r in sorted(cell_dir.glob("r*")):
+                if r.is_dir():
+                    out.extend(load_samples(r))
+            self._samples[variant, key] = out
+        return self._samples[variant, key]
 
 
 def parse_counters(text: str) -> list[tuple[str, str, float]]:

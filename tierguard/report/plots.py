@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from tierguard.report.load import RunData
+from tierguard.sweep.cells import CellSpec
 from tierguard.sweep.stats import cdf_points, pooled
 
 LIMIT_OF = {"ttft": "p99_ttft_ms", "itl": "p99_itl_ms"}
@@ -94,7 +95,7 @@ def latency_cdfs(data: RunData, metric: str) -> bytes | None:
             continue
         here = False
         for v in data.variants:
-            xs, ys = cdf_points(pooled(data.samples(v.name, f"ladder-ctx{ctx}-c{c}"), metric))
+            xs, ys = cdf_points(pooled(data.samples(v.name, CellSpec("ladder", ctx, c).key), metric))
             if xs:
                 ax.plot(xs, ys, label=v.name)
                 drew = here = True

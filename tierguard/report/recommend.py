@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from tierguard.report.load import RunData, VariantData
 from tierguard.report.tables import fmt_ms, prefix_p50_ttft
-from tierguard.sweep.cells import CellVerdict
+from tierguard.sweep.cells import CellSpec, CellVerdict
 
 
 def _best(v: VariantData, ctx: int) -> int | None:
@@ -82,7 +82,7 @@ def _long_sessions(data: RunData, done: list[VariantData], ctxs: list[int]) -> l
 
 def _first_miss(v: VariantData, ctx: int) -> CellVerdict | None:
     first = (v.boundaries.get(ctx) or {}).get("first_failing")
-    return v.cells.get(f"ladder-ctx{ctx}-c{first}") if first is not None else None
+    return v.cells.get(CellSpec("ladder", ctx, first).key) if first is not None else None
 
 
 def _nvme(data: RunData, long: int) -> list[str]:

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 
 from tierguard.report.load import RunData, VariantData
-from tierguard.sweep.cells import CellVerdict
+from tierguard.sweep.cells import CellSpec, CellVerdict
 from tierguard.sweep.stats import P99, pooled, quantile
 
 
@@ -81,7 +81,7 @@ def single_table(data: RunData) -> Table:
     for v in data.variants:
         row = [v.name]
         for c in ctxs:
-            cell = v.cells.get(f"ladder-ctx{c}-c1")
+            cell = v.cells.get(CellSpec("ladder", c, 1).key)
             row.append(f"{fmt_ms(cell.p99['ttft'].value)} / {fmt_ms(cell.p99['itl'].value)}" if cell else "-")
         rows.append(row)
     return Table(

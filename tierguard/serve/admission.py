@@ -27,15 +27,27 @@ EncodeChat = Callable[[list[dict]], Awaitable[list[int]]]
 
 
 class _ChatCounter(TokenCounter):
-    """Counts a chat exactly as the engine will see it: template applied, then encoded."""
+    """Counts a chat exactly as the engine will see it: template applied, then encoded.
+
+    The ids of the last list counted are kept: `trim_messages` returns the very list it
+    counted last, so the trimmed chat is not templated and encoded a second time.
+    """
 
     source = "engine tokenizer (exact)"
 
     def __init__(self, encode_chat: EncodeChat) -> None:
         self._encode_chat = encode_chat
+        self._last: tuple[list[dict], list[int]] | None = None
 
     async def count_chat(self, messages: list[dict]) -> int:
-        return len(await self._encode_chat(messages))
+        ids = await self._encode_chat(messages)
+        self._last = (messages, ids)
+        return len(ids)
+
+    async def ids(self, messages: list[dict]) -> list[int]:
+        if self._last is not None and self._last[0] is messages:
+            return self._last[1]
+        return await self._encode_chat(messages)
 
 
 @dataclass
@@ -48,8 +60,7 @@ class Admitted:
     downgraded_from: int | None = None
 
     def headers(self) -> dict[str, str]:
-        h = {"X-Tierguard-Class": self.ticket.klass,
-             "X-Tierguard-Queue-Ms": f"{self.ticket.queue_wait_s * 1000:.1f}"}
+        h = self.ticket.headers()
         if self.downgraded_from is not None:
             h["X-Tierguard-Downgraded"] = f"{self.downgraded_from}->{len(self.ids)}"
         return h
@@ -79,14 +90,15 @@ async def admitted(
             break
         except Downgrade as d:
             assert messages is not None and encode_chat is not None  # can_downgrade implies chat
-            trimmed = await trim_messages(messages, d.max_input_tokens, _ChatCounter(encode_chat))
+            counter = _ChatCounter(encode_chat)
+            trimmed = await trim_messages(messages, d.max_input_tokens, counter)
             if not trimmed.fits:
                 controller.record("reject", "downgrade_impossible")
                 raise APIError(429, d.message + "; the turns that must stay are still too long",
                                None, {"Retry-After": "5"}) from None
             downgraded_from = downgraded_from or len(ids)
             messages = trimmed.messages
-            ids = await encode_chat(messages)
+            ids = await counter.ids(messages)
             info = RequestInfo(len(ids), priority, downgraded=True)
         except Rejected as r:
             raise _rejection(r) from None

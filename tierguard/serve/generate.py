@@ -207,7 +207,7 @@ async def _run(
             shape.whole(
                 "".join(pieces),
                 last.finish_reason,
-                usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens),
+                _usage_of(last),
             ),
             headers=headers,
         )
@@ -246,21 +246,13 @@ async def _stream(
     try:
         async for out in outputs:
             timer.on_output(out)
-            cont = (
-                usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
-                if req.continuous_usage
-                else None
-            )
             if out.text_delta or out.finished:
+                cont = _usage_of(out) if req.continuous_usage else None
                 await sse.send(shape.chunk(out.text_delta, out.finish_reason if out.finished else None, cont))
             if out.finished:
                 timer.on_finished(out)
                 if req.include_usage:
-                    await sse.send(
-                        shape.usage_chunk(
-                            usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
-                        )
-                    )
+                    await sse.send(shape.usage_chunk(_usage_of(out)))
         await sse.done()
     except ClientGone:
         log.info("client went away during %s; aborting it", shape.id)
@@ -272,6 +264,10 @@ async def _stream(
         except ClientGone:
             pass
     return sse.response
+
+
+def _usage_of(out: RequestOutput) -> dict:
+    return usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
 
 
 async def _close(gen: object) -> None:

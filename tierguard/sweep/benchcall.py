@@ -35,6 +35,14 @@ def cell_seed(base: int, spec: CellSpec, repeat: int) -> int:
     return base + int.from_bytes(digest[:3], "big")
 
 
+def cell_requests(matrix: Matrix, spec: CellSpec) -> int:
+    """How many measured requests a cell sends: the prefix slice fixes its own count."""
+    pre = matrix.slices.prefix
+    if spec.slice == "prefix" and pre is not None:
+        return pre.num_requests
+    return matrix.profile.requests_for(spec.concurrency)
+
+
 def bench_argv(
     matrix: Matrix, spec: CellSpec, base_url: str, model: str | None, out_dir: Path, repeat: int = 0
 ) -> list[str]:
@@ -42,7 +50,6 @@ def bench_argv(
     p, slo = matrix.profile, matrix.slo
     rate = "inf" if math.isinf(p.request_rate) else f"{p.request_rate:g}"
     pre = matrix.slices.prefix if spec.slice == "prefix" else None
-    num_requests = pre.num_requests if pre is not None else p.requests_for(spec.concurrency)
     argv = [
         "bench",
         "--base-url",
@@ -54,7 +61,7 @@ def bench_argv(
         "--request-rate",
         rate,
         "--num-requests",
-        str(num_requests),
+        str(cell_requests(matrix, spec)),
         "--output-len",
         str(p.output_len),
         "--seed",
@@ -80,35 +87,11 @@ def bench_argv(
             f"{m.long_share:g}",
         ]
     elif pre is not None:
-        argv += [
-            "--dataset",
-            "shared-prefix",
-            "--prefix-len",
-            str(pre.prefix_len),
-            "--input-len",
-            str(pre.context - pre.prefix_len),
-            "--num-prefixes",
-            str(pre.num_prefixes),
-            "--requests-per-prefix",
-            str(pre.requests_per_prefix),
-        ]
+        argv += _shared_prefix_args(pre.prefix_len, pre.context, pre.num_prefixes, pre.requests_per_prefix)
     elif p.dataset == "shared-prefix":
-        # The prompt is prefix + suffix = exactly `context` tokens; enough prefixes x
-        # requests per prefix to cover the cell's request count.
-        n = p.requests_for(spec.concurrency)
-        pre = p.prefix_len(spec.context)
-        argv += [
-            "--dataset",
-            "shared-prefix",
-            "--prefix-len",
-            str(pre),
-            "--input-len",
-            str(spec.context - pre),
-            "--num-prefixes",
-            str(p.num_prefixes),
-            "--requests-per-prefix",
-            str(-(-n // p.num_prefixes)),
-        ]
+        # Enough prefixes x requests per prefix to cover the cell's request count.
+        per_prefix = -(-p.requests_for(spec.concurrency) // p.num_prefixes)
+        argv += _shared_prefix_args(p.prefix_len(spec.context), spec.context, p.num_prefixes, per_prefix)
     else:
         argv += ["--dataset", p.dataset, "--input-len", str(spec.context)]
         if p.dataset == "random":
@@ -128,6 +111,22 @@ def bench_argv(
     limits = slo.limits()
     argv += ["--slo", ",".join(f"{k}={v:g}" for k, v in limits.items())]
     return argv + list(p.extra_bench_args)
+
+
+def _shared_prefix_args(prefix_len: int, context: int, num_prefixes: int, per_prefix: int) -> list[str]:
+    """The prompt is prefix + suffix = exactly `context` tokens."""
+    return [
+        "--dataset",
+        "shared-prefix",
+        "--prefix-len",
+        str(prefix_len),
+        "--input-len",
+        str(context - prefix_len),
+        "--num-prefixes",
+        str(num_prefixes),
+        "--requests-per-prefix",
+        str(per_prefix),
+    ]
 
 
 def run_bench(argv: list[str], log_path: Path, timeout_s: float) -> BenchOutcome:

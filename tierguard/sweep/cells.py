@@ -6,13 +6,12 @@ the SLOs, so it can be recomputed from disk at any time (the report does exactly
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tierguard.sweep.matrix import SLO, Uncertainty
-from tierguard.sweep.results import load_samples
+from tierguard.sweep.results import load_samples, read_json
 from tierguard.sweep.stats import METRICS, P99, RequestSample, p99_with_interval
 
 
@@ -149,12 +148,8 @@ def judge_dirs(
 
 
 def read_fingerprint(result_dir: Path) -> str | None:
-    run = result_dir / "run.json"
-    if not run.is_file():
-        return None
-    try:
-        data = json.loads(run.read_text())
-    except (json.JSONDecodeError, OSError):
+    data = read_json(result_dir / "run.json")
+    if data is None:
         return None
     fp = data.get("fingerprint") or data.get("profile_fingerprint")
     if isinstance(fp, dict):

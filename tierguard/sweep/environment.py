@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import os
 import platform
-import shutil
-import subprocess
 import sys
 import time
+
+from tierguard.bench.topo import run_tool
 
 TOPOLOGY_COMMANDS = {
     "nvidia_smi": ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,pci.bus_id", "--format=csv"],
@@ -20,16 +20,6 @@ TOPOLOGY_COMMANDS = {
     "numactl_hardware": ["numactl", "--hardware"],
     "lspci_tree": ["lspci", "-tv"],
 }
-
-
-def _run(argv: list[str]) -> str | None:
-    if shutil.which(argv[0]) is None:
-        return None
-    try:
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return r.stdout.strip() if r.returncode == 0 else None
 
 
 def capture_environment() -> dict:
@@ -52,7 +42,7 @@ def capture_environment() -> dict:
         "topology": {},
     }
     for name, argv in TOPOLOGY_COMMANDS.items():
-        out = _run(argv)
+        out = run_tool(argv, timeout=10.0)
         if out is not None:
-            env["topology"][name] = out
+            env["topology"][name] = out.strip()
     return env

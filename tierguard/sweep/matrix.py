@@ -35,6 +35,11 @@ def _tokens(value: Any, what: str) -> int:
         raise ValueError(str(exc)) from None
 
 
+def shared_prefix_len(share: float, context: int) -> int:
+    """Prefix tokens of a `context`-token prompt: `share` of it, at least one, leaving one."""
+    return min(context - 1, max(1, round(share * context)))
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -141,8 +146,8 @@ class Profile(_Strict):
         return max(self.num_requests, self.min_rounds * concurrency)
 
     def prefix_len(self, context: int) -> int:
-        """Shared-prefix tokens of a `context`-token prompt (at least one, leaving one)."""
-        return min(context - 1, max(1, round(self.prefix_share * context)))
+        """Shared-prefix tokens of a `context`-token prompt."""
+        return shared_prefix_len(self.prefix_share, context)
 
 
 class Mixed(_Strict):
@@ -182,7 +187,7 @@ class PrefixReuse(_Strict):
 
     @property
     def prefix_len(self) -> int:
-        return min(self.context - 1, max(1, round(self.prefix_share * self.context)))
+        return shared_prefix_len(self.prefix_share, self.context)
 
     @property
     def num_requests(self) -> int:

@@ -26,7 +26,7 @@ from pathlib import Path
 import yaml
 
 from tierguard.common.errors import TierguardError
-from tierguard.sweep.benchcall import BenchOutcome, bench_argv, run_bench
+from tierguard.sweep.benchcall import BenchOutcome, bench_argv, cell_requests, run_bench
 from tierguard.sweep.boundary import Boundary, search
 from tierguard.sweep.cells import CellSpec, CellVerdict, judge_dirs
 from tierguard.sweep.environment import capture_environment
@@ -191,12 +191,11 @@ class Sweep:
         self.emit("cell_start", variant=variant.name, spec=spec)
         cell_dir = self.run_dir / variant.name / spec.key
         dirs, errors = [], []
+        n = cell_requests(self.matrix, spec)
+        timeout = self.matrix.profile.timeout_s * max(2, n // spec.concurrency + 2)
         for r in range(self.matrix.uncertainty.repeats):
             out = cell_dir / f"r{r}"
             argv = bench_argv(self.matrix, spec, engine.base_url, engine.model, out, repeat=r)
-            pre = self.matrix.slices.prefix
-            n = pre.num_requests if spec.slice == "prefix" and pre else self.matrix.profile.requests_for(spec.concurrency)
-            timeout = self.matrix.profile.timeout_s * max(2, n // spec.concurrency + 2)
             outcome = self.bench(argv, cell_dir / f"bench-r{r}.log", timeout)
             dirs.append(out)
             if outcome.error:
