@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierguard.common.errors import TierguardError
+from tierguard.plan.defaults import fill_defaults
 from tierguard.plan.layers import resolve_layer_kinds
 from tierguard.plan.states import constant_state_elems
 
@@ -68,6 +69,9 @@ class ModelSpec:
     quantization: dict | None = None
     params_b: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    family: str | None = None  # transformers family whose defaults apply (plan/defaults.py)
+    defaulted: dict[str, Any] = field(default_factory=dict)  # fields the config lacked, as filled
+    rope_theta: float | None = None
 
     def count(self, kind: str) -> int:
         return sum(1 for k in self.layer_kinds if k == kind)
@@ -122,7 +126,7 @@ def parse_config(raw: dict, name: str = "model") -> ModelSpec:
     """Turn a config.json dict into a ModelSpec, or raise one clear TierguardError."""
     if not isinstance(raw, dict):
         raise TierguardError(f"model config {name!r} is not a JSON object")
-    cfg = text_fields(raw)
+    cfg, defaulted, family = fill_defaults(text_fields(raw))
     arch_list = cfg.get("architectures") or [cfg.get("model_type") or "unknown"]
     arch = str(arch_list[0])
     num_layers = _pos_int(cfg, "num_hidden_layers", name)
@@ -184,6 +188,9 @@ def parse_config(raw: dict, name: str = "model") -> ModelSpec:
         if isinstance(cfg.get("quantization_config"), dict)
         else None,
         params_b=cfg.get("params_b"),
+        family=family,
+        defaulted=defaulted,
+        rope_theta=float(cfg["rope_theta"]) if isinstance(cfg.get("rope_theta"), (int, float)) else None,
         extra={
             k: cfg[k]
             for k in (

@@ -135,6 +135,25 @@ class WeightFormat:
     name: str
     linear_bytes: float
     embed_bytes: float
+    # MXFP4 checkpoints (gpt-oss) quantize only the MoE experts; attention, router and
+    # embeddings stay 16 bit (their quantization_config lists them in modules_to_not_convert).
+    experts_only: bool = False
+    # vLLM lays MXFP4 expert weights out with the hidden dimension padded to a multiple of
+    # 256 (2880 -> 3072 for gpt-oss): "Model loading took" is 13.47 GiB for gpt-oss-20b and
+    # 64.38 GiB for gpt-oss-120b on H100 (v0.11), 6.7% above 4.25 bits per expert weight.
+    expert_hidden_multiple: int = 1
+
+
+def _compressed_tensors(quant: dict) -> str | None:
+    """llm-compressor checkpoints (e.g. RedHatAI *-FP8-dynamic): read the weight scheme."""
+    for group in (quant.get("config_groups") or {}).values():
+        w = (group or {}).get("weights") or {}
+        bits, kind = int(w.get("num_bits") or 0), str(w.get("type") or "")
+        if bits == 8:
+            return "fp8" if kind == "float" else "int8"
+        if bits == 4:
+            return "nvfp4" if kind == "float" else "int4"
+    return None
 
 
 def weight_format(name: str, torch_dtype: str | None = None, quant: dict | None = None) -> WeightFormat:
@@ -153,6 +172,8 @@ def weight_format(name: str, torch_dtype: str | None = None, quant: dict | None 
             key = "int4" if int((quant or {}).get("bits", 4)) == 4 else "int8"
         elif method == "mxfp4":
             key = "mxfp4"
+        elif method == "compressed-tensors":
+            key = _compressed_tensors(quant or {}) or base
         else:
             key = base
     key = _KV_ALIASES.get(key, key)
@@ -162,4 +183,5 @@ def weight_format(name: str, torch_dtype: str | None = None, quant: dict | None 
         )
     per = WEIGHT_BYTES[key]
     embed = per if key in _GGUF or per >= 2 else WEIGHT_BYTES[base]
-    return WeightFormat(key, per, embed)
+    mx = key == "mxfp4"
+    return WeightFormat(key, per, embed, experts_only=mx, expert_hidden_multiple=256 if mx else 1)

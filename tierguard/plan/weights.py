@@ -8,6 +8,7 @@ and the RoPE cos/sin cache engines keep. Linear layers use the weight format; no
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from tierguard.plan.config import ModelSpec
@@ -21,6 +22,7 @@ class LayerParams:
 
     split: int  # divided across TP ranks
     replicated: int  # norms, replicated KV projections, MLA down-projections
+    experts: int = 0  # the part of `split` that is routed-expert weights
 
 
 def _attention(spec: ModelSpec, tp: int) -> LayerParams:
@@ -73,23 +75,29 @@ def layer_params(spec: ModelSpec, i: int, tp: int) -> LayerParams:
         if c == "*":
             return LayerParams(_attention(spec, tp).split, h)
         if c == "E" and spec.moe is not None:
-            return LayerParams(_moe_params(spec), h)
+            return LayerParams(_moe_params(spec), h, _expert_params(spec))
         return LayerParams(2 * h * spec.intermediate_size, h)  # non-gated MLP
     attn = (
         _attention(spec, tp)
         if kind in ("full", "sliding", "chunked", "mla")
         else LayerParams(_mixer(spec, kind), 0)
     )
+    experts = 0
     if spec.moe is not None and i not in spec.moe.dense_layers:
-        mlp = _moe_params(spec)
+        mlp, experts = _moe_params(spec), _expert_params(spec)
     else:
         mlp = 3 * h * spec.intermediate_size  # gated MLP: gate, up, down
-    return LayerParams(attn.split + mlp, attn.replicated + norms)
+    return LayerParams(attn.split + mlp, attn.replicated + norms, experts)
+
+
+def _expert_params(spec: ModelSpec) -> int:
+    m = spec.moe
+    return m.num_experts * 3 * spec.hidden_size * m.expert_intermediate
 
 
 def _moe_params(spec: ModelSpec) -> int:
     m, h = spec.moe, spec.hidden_size
-    return m.num_experts * 3 * h * m.expert_intermediate + h * m.num_experts + 3 * h * m.shared_intermediate
+    return _expert_params(spec) + h * m.num_experts + 3 * h * m.shared_intermediate
 
 
 @dataclass(frozen=True)
@@ -108,8 +116,17 @@ def estimate_weights(spec: ModelSpec, fmt: WeightFormat, tp: int = 1, pp: int = 
     layers = [layer_params(spec, i, 1) for i in range(spec.num_layers)]
     params = embed + head + h + sum(lp.split + lp.replicated for lp in layers)
     lin, emb = fmt.linear_bytes, fmt.embed_bytes
+    # Bytes per parameter of a layer's TP-split part (experts-only formats keep the rest 16 bit).
+    dense = fmt.embed_bytes if fmt.experts_only and spec.moe is not None else lin
+
+    mult = fmt.expert_hidden_multiple
+    expert_pad = math.ceil(h / mult) * mult / h
+
+    def split_bytes(lp: LayerParams) -> float:
+        return lp.experts * lin * expert_pad + (lp.split - lp.experts) * dense
+
     total = int(
-        sum(lp.split * lin + lp.replicated * 2 for lp in layers)
+        sum(split_bytes(lp) + lp.replicated * 2 for lp in layers)
         + (embed + head) * emb
         + h * 2
         + rope_cache * 2
@@ -117,7 +134,7 @@ def estimate_weights(spec: ModelSpec, fmt: WeightFormat, tp: int = 1, pp: int = 
     ranked = [layer_params(spec, i, tp) for i in range(spec.num_layers)]
     per_stage = []
     for s, st in enumerate(stage_layers(spec.num_layers, pp)):
-        b = sum(ranked[i].split * lin / tp + ranked[i].replicated * 2 for i in st) + rope_cache * 2
+        b = sum(split_bytes(ranked[i]) / tp + ranked[i].replicated * 2 for i in st) + rope_cache * 2
         if s == 0:
             b += embed * emb / tp  # vocab-parallel embedding on the first stage
         if s == pp - 1:
