@@ -30,15 +30,32 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     h.add_argument(
         "--gpu",
         default=None,
-        help="GPU name: H100-80GB, H200-141GB, A100-40GB, A100-80GB, L40S, L4, RTX-4090, RTX-3090, ...",
+        help="GPU name: H100-80GB, H200-141GB, A100-40GB, A100-80GB, L40S, L4, RTX-4090, RTX-3090, ... "
+        "(without --gpu / --gpu-mem-gib the plan counts what needs no GPU)",
     )
     h.add_argument("--gpu-mem-gib", default=None, help="GPU memory per GPU in GiB (instead of --gpu)")
     h.add_argument("--tp", default="1", help="tensor-parallel size")
     h.add_argument("--pp", default="1", help="pipeline-parallel size")
     h.add_argument("--host-ram-gib", default=None, help="host RAM in GiB (default: this machine's)")
     h.add_argument("--nvme-gib", default=None, help="NVMe space for a KV disk tier in GiB")
+    h.add_argument(
+        "--target",
+        default="gpu",
+        choices=["gpu", "cpu"],
+        help="cpu: plan `tierguard serve --device cpu` in this machine's RAM instead of a GPU",
+    )
     e = p.add_argument_group("engine")
-    e.add_argument("--engine", default="vllm", choices=_ENGINES, help="engine whose accounting to mirror")
+    e.add_argument(
+        "--engine",
+        default=None,
+        choices=_ENGINES,
+        help="engine whose accounting to mirror (default: vllm; tierguard with --target cpu)",
+    )
+    e.add_argument(
+        "--engine-version",
+        default=None,
+        help="vLLM version whose memory rules to mirror, e.g. 0.6.4, 0.11.0, 0.19.0 (default: newest)",
+    )
     e.add_argument(
         "--kv-dtype",
         default="auto",
@@ -53,9 +70,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--gpu-memory-utilization", default="0.9", help="fraction of TOTAL GPU memory the engine may use"
     )
     e.add_argument(
-        "--max-num-batched-tokens", default="8192", help="tokens per step (sizes the activation peak)"
+        "--max-num-batched-tokens",
+        default=None,
+        help="tokens per step (sizes the activation peak; default: the engine's, by version and GPU)",
     )
-    e.add_argument("--max-num-seqs", default="256", help="engine's sequence limit (sizes the sampler peak)")
+    e.add_argument(
+        "--max-num-seqs",
+        default=None,
+        help="engine's sequence limit (sizes the sampler peak; default: the engine's)",
+    )
     e.add_argument(
         "--max-model-len", default=None, help="engine context limit (default: longest context + output)"
     )
@@ -68,7 +91,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     e.add_argument(
         "--cuda-graph-in-budget",
         action="store_true",
-        help="count CUDA-graph memory inside the budget (newer vLLM)",
+        help="count CUDA-graph memory inside the budget (vLLM does from 0.21 on by itself)",
     )
     w = p.add_argument_group("workload")
     w.add_argument(
@@ -148,6 +171,8 @@ def inputs_from_args(args: argparse.Namespace):
         host_ram_gib=_float(args.host_ram_gib, "--host-ram-gib"),
         nvme_gib=_float(args.nvme_gib, "--nvme-gib"),
         engine=args.engine,
+        engine_version=args.engine_version,
+        target=args.target,
         kv_dtype=args.kv_dtype,
         weights_dtype=args.weights_dtype,
         block_size=_int(args.block_size, "--block-size"),

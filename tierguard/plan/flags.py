@@ -133,7 +133,7 @@ def tierguard_flags(f: FlagFacts) -> list[str]:
         "--max-num-seqs",
         str(f.sessions),
         "--max-num-batched-tokens",
-        str(f.max_num_batched_tokens),
+        str(max(f.max_num_batched_tokens, f.sessions)),  # the engine needs room for one token per sequence
         "--kv-cache-gib",
         _down(f.kv_pool_per_gpu_bytes),
         "--kv-dtype",

@@ -4,14 +4,16 @@
              │                                             ├── activation peak (profile run)
              │                                             ├── non-torch (cuBLAS, NCCL, ...)
              │                                             ├── fragmentation reserve
+             │                                             ├── CUDA graphs (vLLM >= 0.21)
              │                                             └── KV cache  (what remains)
-             └── headroom = total − budget: CUDA graphs (captured after KV is sized),
-                 other processes, allocator slack
+             └── headroom = total − budget: CUDA graphs (older vLLM: captured after the KV
+                 pool is sized), other processes, allocator slack
 
-The activation model was fitted to vLLM startup logs: the profile forward over
-max_num_batched_tokens keeps ~3 MLP-intermediate and ~3 hidden-size rows per token alive
-at 16 bit; the sampler dummy run over max_num_seqs rows of full-vocabulary logits peaks
-at ~40 bytes per logit (fp32 copies, sort values and indices). The peak is the larger.
+For vLLM the reserves follow the version band's rules and coefficients fitted to public
+startup logs (plan/reserves.py, plan/fit.py). Other engines keep the fixed model below:
+the profile forward over max_num_batched_tokens keeps ~3 MLP-intermediate and ~3
+hidden-size rows per token alive at 16 bit; the sampler dummy run over max_num_seqs rows
+of full-vocabulary logits peaks at ~40 bytes per logit. The peak is the larger.
 """
 
 from __future__ import annotations
@@ -21,33 +23,37 @@ from dataclasses import asdict, dataclass
 from tierguard.common.errors import TierguardError
 from tierguard.common.units import GIB, MIB
 from tierguard.plan.config import ModelSpec
+from tierguard.plan.reserves import Reserves, features
 
 
 @dataclass(frozen=True)
 class GPU:
     name: str
     total_bytes: int  # as CUDA reports it (cudaMemGetInfo total), not the marketing size
+    source: str = ""  # where the total was read
 
 
 def _g(gib: float) -> int:
     return int(gib * GIB)
 
 
-# Totals as torch / vLLM logs print them ("total_gpu_memory (79.15GiB)").
+# Totals as torch / vLLM logs print them ("total_gpu_memory (79.15GiB)"): an "80 GB" card
+# reports ~79.2 GiB. Where a startup log in data/vllm_logs.json prints the total, it is named.
+_LOGGED = "vLLM startup log in data/vllm_logs.json"
 GPU_CATALOGUE: dict[str, GPU] = {
     g.name: g
     for g in [
-        GPU("H100-80GB", _g(79.19)),
-        GPU("H200-141GB", _g(139.81)),
+        GPU("H100-80GB", _g(79.19), f"{_LOGGED}: 75.23 GiB requested at 0.95 (0.19.0); 79.18-79.25 elsewhere"),
+        GPU("H200-141GB", _g(139.80), "total_gpu_memory=139.80GiB in a public vLLM 0.6.4 log"),
         GPU("B200-180GB", _g(178.35)),
-        GPU("A100-40GB", _g(39.39)),
+        GPU("A100-40GB", _g(39.39), f"{_LOGGED}: total_gpu_memory (39.39GiB), 0.7.1"),
         GPU("A100-80GB", _g(79.15)),
         GPU("L40S", _g(44.42)),
         GPU("L4", _g(22.03)),
         GPU("A10G", _g(22.06)),
         GPU("RTX-A6000", _g(47.43)),
         GPU("RTX-4090", _g(23.65)),
-        GPU("RTX-3090", _g(23.58)),
+        GPU("RTX-3090", _g(23.58), f"{_LOGGED}: total_gpu_memory=23.58GiB, 0.6.4"),
     ]
 }
 
@@ -144,11 +150,18 @@ def decompose(
     engine: str,
     cuda_graph_in_budget: bool = False,
     fragmentation_fraction: float | None = None,
+    reserves: Reserves | None = None,
+    act_bytes: int = 2,
 ) -> Decomposition:
+    """Split one GPU's memory. With `reserves` (vLLM) the fitted, version-aware model is used."""
     budget = int(gpu.total_bytes * gmu)
-    act = activation_peak_bytes(spec, tp, batched_tokens, max_num_seqs, engine)
-    nt = non_torch_bytes(tp, pp, engine)
-    graphs = cuda_graph_bytes(-(-spec.num_layers // pp), engine)
+    if reserves is not None:
+        f = features(spec, tp, pp, batched_tokens, max_num_seqs, act_bytes)
+        act, nt, graphs = reserves.activation(f), reserves.non_torch(tp), reserves.cuda_graphs(f)
+    else:
+        act = activation_peak_bytes(spec, tp, batched_tokens, max_num_seqs, engine)
+        nt = non_torch_bytes(tp, pp, engine)
+        graphs = cuda_graph_bytes(-(-spec.num_layers // pp), engine)
     if fragmentation_fraction is None:
         # vLLM/SGLang keep no explicit reserve (the headroom absorbs it); our engine keeps 2%.
         fragmentation_fraction = 0.02 if engine == "tierguard" else 0.0

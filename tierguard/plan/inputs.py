@@ -23,13 +23,14 @@ class PlanInputs:
     pp: int = 1
     host_ram_gib: float | None = None
     nvme_gib: float | None = None
-    engine: str = "vllm"
+    engine: str | None = None  # None: vllm, or tierguard with target "cpu"
     kv_dtype: str = "auto"
     weights_dtype: str = "auto"
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
+    # None: the engine's default (vLLM: by version and GPU, plan/reserves.py; others 8192 / 256).
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
     max_model_len: int | None = None
     contexts: list[int] | None = None
     concurrency: int = 1
@@ -46,6 +47,9 @@ class PlanInputs:
     prefix_caching: bool = False
     cuda_graph_in_budget: bool = False
     model_dirs: list[str] = field(default_factory=list)
+    engine_version: str | None = None  # vLLM version whose rules to mirror; None = newest
+    target: str = "gpu"  # "cpu": plan `tierguard serve` in this machine's RAM
+    reserve_fit: Any = None  # fitted Reserves to use instead of the shipped fit (leave-one-out)
 
 
 def _positive_int(value: Any, what: str) -> int:
@@ -64,11 +68,21 @@ def validate(p: PlanInputs, spec: ModelSpec) -> tuple[list[int], int]:
         (p.tp, "--tp"),
         (p.pp, "--pp"),
         (p.block_size, "--block-size"),
-        (p.max_num_batched_tokens, "--max-num-batched-tokens"),
-        (p.max_num_seqs, "--max-num-seqs"),
         (p.concurrency, "--concurrency"),
     ):
         _positive_int(v, what)
+    for v, what in ((p.max_num_batched_tokens, "--max-num-batched-tokens"), (p.max_num_seqs, "--max-num-seqs")):
+        if v is not None:
+            _positive_int(v, what)
+    if p.target not in ("gpu", "cpu"):
+        raise TierguardError(f"--target must be gpu or cpu, got {p.target!r}")
+    if p.target == "cpu":
+        if p.gpu is not None or p.gpu_mem_gib is not None:
+            raise TierguardError("--target cpu plans host RAM for `tierguard serve`: drop --gpu / --gpu-mem-gib")
+        if p.engine != "tierguard":
+            raise TierguardError(f"--target cpu plans `tierguard serve`; --engine {p.engine} runs on GPUs")
+        if p.tp * p.pp != 1:
+            raise TierguardError("--target cpu runs one process: --tp and --pp must be 1")
     for v, what in (
         (p.host_ram_gib, "--host-ram-gib"),
         (p.nvme_gib, "--nvme-gib"),

@@ -104,6 +104,13 @@ class KVModel:
             sum(self.layer_token_bytes(kinds[i]) for i in st if self._growing(kinds[i])) for st in self.stages
         )
 
+    def bytes_per_token_all_layers_per_gpu(self) -> int:
+        """Every attention layer charged per token: how vLLM's "GPU KV cache size: N tokens"
+        line converts its available memory (checked on gemma-2 and gpt-oss logs, whose
+        sliding layers count like full ones in that line)."""
+        kinds = self.spec.layer_kinds
+        return max(sum(self.layer_token_bytes(kinds[i]) for i in st) for st in self.stages)
+
     # ---- per sequence ----------------------------------------------------------------
     def pages(self, kind: str, context: int) -> int:
         bs = self.s.block_size

@@ -54,46 +54,69 @@ def _model_table(plan: dict) -> Table:
     )
     if kv["constant_state_bytes_per_sequence"]:
         t.add_row("constant state", f"{human(kv['constant_state_bytes_per_sequence'])} per sequence")
+    if m["defaulted"]:
+        filled = ", ".join(f"{k}={v}" for k, v in m["defaulted"].items())
+        t.add_row("defaulted", f"not in the config, filled as transformers' {m['family']} defaults: {filled}")
+    return t
+
+
+def _weights_table(plan: dict) -> Table:
+    s = plan["settings"]
+    t = Table(title=f"Weights per dtype (tp={s['tp']} pp={s['pp']})", title_justify="left")
+    for col in ("dtype", "total", "per GPU"):
+        t.add_column(col, justify="right")
+    for name, w in plan["weights_by_dtype"].items():
+        own = " (checkpoint)" if name == plan["weights_dtype"] else ""
+        t.add_row(name + own, human(w["total_bytes"]), human(w["per_gpu_bytes"]))
     return t
 
 
 def _context_table(plan: dict) -> Table:
     t = Table(title="Per context length", title_justify="left")
-    for col in (
-        "context",
-        "KV per sequence",
-        "per GPU",
-        "max concurrency",
-        f"x{plan['workload']['concurrency']}",
-    ):
+    conc = plan["max_concurrency"]
+    cols = ["context", "KV per sequence", "per GPU"] + (["max concurrency"] if conc else [])
+    for col in (*cols, f"x{plan['workload']['concurrency']}"):
         t.add_column(col, justify="right")
     n = plan["workload"]["concurrency"]
     for c, b in plan["kv"]["per_sequence_bytes"].items():
         per_gpu = plan["kv"]["per_sequence_bytes_per_gpu"][c]
-        t.add_row(
-            _tokens(int(c)), human(b), human(per_gpu), f"{plan['max_concurrency'][c]:.2f}x", human(n * b)
-        )
+        mid = [f"{conc[c]:.2f}x"] if conc else []
+        t.add_row(_tokens(int(c)), human(b), human(per_gpu), *mid, human(n * b))
     return t
 
 
 def _gpu_table(plan: dict) -> Table:
     g = plan["gpu"]
-    t = Table(
-        title=f"GPU memory per GPU: {g['name']} x{g['gpus']} (R2)", show_header=False, title_justify="left"
-    )
+    cpu = plan["settings"]["target"] == "cpu"
+    title = f"RAM: {g['name']}" if cpu else f"GPU memory per GPU: {g['name']} x{g['gpus']} (R2)"
+    t = Table(title=title, show_header=False, title_justify="left")
     t.add_row("total", human(g["total_bytes"]))
-    t.add_row(f"budget (x{g['gpu_memory_utilization']:g})", human(g["budget_bytes"]))
+    if cpu:
+        t.add_row("usable (after OS, page-cache, burst reserves)", human(g["budget_bytes"]))
+    else:
+        t.add_row(f"budget (x{g['gpu_memory_utilization']:g})", human(g["budget_bytes"]))
+    rules = plan["engine_rules"]
+    if rules:
+        t.add_row("vLLM rules", f"{rules['version']} -> band {rules['band']}+ ({rules['note']})")
+        t.add_row(
+            "batching",
+            f"max_num_batched_tokens {plan['settings']['max_num_batched_tokens']}, "
+            f"max_num_seqs {plan['settings']['max_num_seqs']} ({rules['batching']})",
+        )
     t.add_row("  weights", human(g["weights_bytes_per_gpu"]))
     t.add_row("  activation peak", human(g["activation_peak_bytes"]))
-    t.add_row("  non-torch (cuBLAS, NCCL)", human(g["non_torch_bytes"]))
+    if not cpu:
+        t.add_row("  non-torch (cuBLAS, NCCL)", human(g["non_torch_bytes"]))
     t.add_row("  fragmentation reserve", human(g["fragmentation_reserve_bytes"]))
     if g["cuda_graph_in_budget"]:
         t.add_row("  CUDA graphs", human(g["cuda_graph_bytes"]))
     t.add_row("  KV cache", human(g["kv_available_bytes_per_gpu"]))
     if g["shortfall_bytes"]:
         t.add_row("  [red]shortfall[/red]", human(g["shortfall_bytes"]))
-    t.add_row("outside budget", f"{human(g['headroom_bytes'])} (CUDA graphs ~{human(g['cuda_graph_bytes'])})")
-    t.add_row("GPU KV cache size", f"{g['kv_capacity_tokens']:,} tokens")
+    if not cpu:
+        graphs = "" if g["cuda_graph_in_budget"] else f" (CUDA graphs ~{human(g['cuda_graph_bytes'])})"
+        t.add_row("outside budget", human(g["headroom_bytes"]) + graphs)
+    t.add_row("room for KV" if cpu else "GPU KV cache size", f"{g['kv_capacity_tokens']:,} tokens")
     return t
 
 
@@ -140,11 +163,19 @@ def render(plan: dict, console: Console | None = None) -> None:
     con = console or Console()
     con.print(_model_table(plan))
     con.print(_context_table(plan))
+    if plan["gpu"] is None:
+        con.print(_weights_table(plan))
+        con.print(_host_table(plan))
+        for w in plan["warnings"]:
+            con.print(f"[yellow]warning:[/yellow] {w}", soft_wrap=True)
+        con.print(plan["gpu_needed"], soft_wrap=True)
+        return
     con.print(_gpu_table(plan))
-    # The two lines vLLM prints at startup, predicted.
-    con.print(f"GPU KV cache size: {plan['gpu']['kv_capacity_tokens']:,} tokens")
-    for c, x in plan["max_concurrency"].items():
-        con.print(f"Maximum concurrency for {int(c):,} tokens per request: {x:.2f}x")
+    if plan["engine"] == "vllm":
+        # The two lines vLLM prints at startup, predicted.
+        con.print(f"GPU KV cache size: {plan['gpu']['kv_capacity_tokens']:,} tokens")
+        for c, x in plan["max_concurrency"].items():
+            con.print(f"Maximum concurrency for {int(c):,} tokens per request: {x:.2f}x")
     wl = plan["workload"]
     verdict = "[green]fits[/green]" if plan["fits"] else "[red]does not fit[/red]"
     con.print(
@@ -155,7 +186,8 @@ def render(plan: dict, console: Console | None = None) -> None:
         con.print(_ladder_table(plan))
         after = "[green]fits[/green]" if plan["fits_after_ladder"] else "[red]still does not fit[/red]"
         con.print(f"After the ladder: {after}")
-    con.print(_host_table(plan))
+    if plan["settings"]["target"] != "cpu":
+        con.print(_host_table(plan))
     for engine, flags in plan["flags"].items():
         con.print(f"[bold]{engine}[/bold]: {shlex.join(flags)}", soft_wrap=True)
     if plan["tp_trap"]:
