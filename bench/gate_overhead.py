@@ -19,7 +19,8 @@ direct_b - direct): an "added" figure within the noise floor is not the gate's.
 passes flags to the gate (e.g. "--exact-token-count" to see what the byte bound saves).
 
     .venv/bin/python bench/gate_overhead.py --streams 1,100,500
-Prints one JSON document. Goal: p99 added < 1 ms at 100 streams.
+Prints one JSON document. Goal: p99 added < 1 ms at 100 streams. "valid": false (goal
+null) when a stream's chunks cannot be paired one to one with the server's writes.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tierguard.bench.schedule_server import ScheduleServer  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from validity import Validity  # noqa: E402
 
 
 def _q(values: list[float], q: float) -> float:
@@ -74,7 +78,7 @@ async def _stream(s: aiohttp.ClientSession, url: str, tokens: int, itl: float, o
 
 async def _level(base: str, upstream: str, streams: int, rounds: int, tokens: int, itl: float,
                  ramp: float | None = None) -> dict:
-    out: dict = {"ttft": [], "sched_late": [], "streams": {}}
+    out: dict = {"ttft": [], "sched_late": [], "streams": {}, "unpaired": 0}
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as s:
         await _truth(s, upstream)  # reset the server's record
@@ -87,9 +91,17 @@ async def _level(base: str, upstream: str, streams: int, rounds: int, tokens: in
 
         await asyncio.gather(*(worker(k) for k in range(streams)))
         truth = await _truth(s, upstream)
-    # delivery latency of every chunk: client arrival - server write (same CLOCK_MONOTONIC)
-    out["delivery"] = [a - w for rid, arr in out["streams"].items() if rid in truth
-                       for a, w in zip(arr, truth[rid], strict=False)]
+    # delivery latency of every chunk: client arrival - server write (same CLOCK_MONOTONIC);
+    # a stream whose id or chunk count does not match the server's record is not paired
+    # (its chunks would be matched to the wrong writes) and makes the run invalid.
+    out["delivery"] = []
+    if truth:
+        out["unpaired"] += streams * rounds - len(out["streams"])  # no request id seen
+        for rid, arr in out["streams"].items():
+            if len(truth.get(rid, ())) != len(arr):
+                out["unpaired"] += 1
+                continue
+            out["delivery"].extend(a - w for a, w in zip(arr, truth[rid], strict=True))
     del out["streams"]
     return out
 
@@ -156,6 +168,7 @@ def main() -> None:
             a.nice = None
     itl = a.itl_ms / 1000
     levels = []
+    run = Validity()
     load0 = round(os.getloadavg()[0], 2)
     loop_factory = _loop_factory(a.client_loop)
     ramp = a.ramp_ms / 1000 if a.ramp_ms else None
@@ -174,6 +187,7 @@ def main() -> None:
                 # the three runs rotate so load drift on a shared machine hits each alike
                 modes = [("direct", up.base_url), ("gate", gate_url), ("direct_b", up.base_url)]
                 pooled = {m: {"ttft": [], "sched_late": [], "delivery": []} for m, _ in modes}
+                unpaired = dict.fromkeys(pooled, 0)
                 gate_cpu, gate_sys = 0.0, 0.0
                 for t in range(a.trials):
                     for mode, base in modes[t % 3:] + modes[:t % 3]:
@@ -184,6 +198,9 @@ def main() -> None:
                             gate_sys += _sys_s(gate.pid) - sys0
                         for k, v in pooled[mode].items():
                             v.extend(got[k])
+                        unpaired[mode] += got["unpaired"]
+                for mode, bad in unpaired.items():
+                    run.require(bad == 0, f"{n} streams, {mode}: {bad} streams not paired with the server's writes")
                 direct, via, direct_b = (_summary(pooled[m]) for m in ("direct", "gate", "direct_b"))
                 kind = "delivery" if all("delivery_p50_ms" in d for d in (direct, via, direct_b)) else "sched_late"
                 added = _diff(via, direct, kind)
@@ -211,8 +228,9 @@ def main() -> None:
         "ramp_ms": a.ramp_ms, "client_loop": a.client_loop, "pinned": pinned, "gate_args": a.gate_args, "nice": a.nice,
         "cpus": os.cpu_count(), "loadavg_1m_at_start": load0,
         "loadavg_1m_at_end": round(os.getloadavg()[0], 2), "levels": levels,
+        **run.as_dict(),
         "goal": "p99 added per chunk < 1 ms at 100 streams",
-        "goal_met": None if at100 is None else at100["added_per_chunk_ms"]["p99"] < 1.0,
+        "goal_met": None if at100 is None else run.goal(at100["added_per_chunk_ms"]["p99"] < 1.0),
     }, indent=2))
 
 

@@ -8,6 +8,8 @@
 
 Same model, flags, warm-up and requests in 2 and 3; the servers run one after another.
 Prints JSON: TTFT per request, their medians, the ratio, and the disk-tier counters.
+"valid": false (and the ratio null) when a request failed, the first server did not
+persist the prefixes, or the restarted server counted no disk hit (nothing came from disk).
 
     .venv/bin/python bench/prefix_restart.py [--prefix-tokens 1536] [--prefixes 3]
 """
@@ -28,6 +30,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tier_common import ms, scrape, serve, stream_completion, token_prompt  # noqa: E402
+from validity import Validity, count_errors  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,7 +66,7 @@ async def _ask(url: str, prompts: list[list[int]], a: argparse.Namespace, wait_p
             counters = await scrape(session, url)
     return {
         "ttft_ms": [ms(s.ttft_s) for s in streams],
-        "errors": [s.error for s in streams if s.error],
+        "errors": [s.error or f"{s.name}: no token" for s in streams if s.error or not s.events],
         "counters": counters,
     }
 
@@ -114,8 +117,15 @@ def main(argv: list[str] | None = None) -> int:
         if a.disk_dir is None:
             shutil.rmtree(disk, ignore_errors=True)
     keys = ("kv_disk_hits", "kv_blocks_loaded_from_disk", "kv_persisted_blocks", "kv_tier_recomputes")
-    disk_med = statistics.median(from_disk["ttft_ms"])
-    rec_med = statistics.median(recompute["ttft_ms"])
+    errors = saved["errors"] + from_disk["errors"] + recompute["errors"]
+    v = Validity()
+    v.require(not errors, count_errors(errors))
+    persisted = saved["counters"].get("kv_persisted_blocks") or 0
+    v.require(persisted >= blocks, f"the first server persisted {persisted:g} of {blocks} prefix blocks")
+    hits = from_disk["counters"].get("kv_disk_hits") or 0
+    v.require(hits > 0, "no disk hit counted after the restart: the prefixes were not loaded from disk")
+    disk_med = _median(from_disk["ttft_ms"])
+    rec_med = _median(recompute["ttft_ms"])
     out = {
         "prefix_tokens": a.prefix_tokens,
         "prefixes": a.prefixes,
@@ -127,12 +137,18 @@ def main(argv: list[str] | None = None) -> int:
             "counters": {k: from_disk["counters"].get(k) for k in keys},
         },
         "recompute_no_tiers": {"ttft_ms": recompute["ttft_ms"], "median_ttft_ms": rec_med},
-        "ttft_ratio_disk_to_recompute": round(disk_med / rec_med, 3) if rec_med else None,
-        "disk_hit_counted": (from_disk["counters"].get("kv_disk_hits") or 0) > 0,
-        "errors": saved["errors"] + from_disk["errors"] + recompute["errors"],
+        "ttft_ratio_disk_to_recompute": round(disk_med / rec_med, 3) if v.valid and disk_med and rec_med else None,
+        "disk_hit_counted": hits > 0,
+        "errors": errors,
+        **v.as_dict(),
     }
     print(json.dumps(out, indent=2))
     return 0
+
+
+def _median(values: list[float | None]) -> float | None:
+    got = [x for x in values if x is not None]
+    return statistics.median(got) if got else None
 
 
 if __name__ == "__main__":

@@ -8,7 +8,11 @@ greedy, EOS ignored: `ignore_eos` for tierguard, `min_new_tokens` for transforme
 which refuses unknown fields). Every request has a distinct prompt so prefix caching
 cannot skip prefill. Prints one JSON document: per server and concurrency, output
 tokens/s and p99 inter-token latency (gap between consecutive content events seen by
-the client), plus their ratios.
+the client), plus their ratios. Output tokens are counted by this script with the
+model's tokenizer on the text each stream delivered (the same counter for both servers;
+each server's own `usage` is kept beside it, not trusted). A level is "valid": false
+when a request failed or delivered no text, or a server's usage says it generated a
+different length than asked; ratios are null unless both sides are valid.
 
     .venv/bin/python bench/serve_vs_transformers.py [--model DIR] [--concurrency 1,8,32]
 
@@ -37,6 +41,8 @@ import aiohttp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from validity import Validity, count_errors  # noqa: E402
 
 READY = "tierguard serve: ready on "
 LOG_DIR = Path(tempfile.gettempdir()) / "tierguard_bench_logs"
@@ -48,6 +54,7 @@ class Stream:
 
     started: float
     events: list[float] = field(default_factory=list)  # arrival of each content-bearing event
+    text: list[str] = field(default_factory=list)  # the content of those events
     completion_tokens: int = 0
     prompt_tokens: int = 0
     error: str | None = None
@@ -107,8 +114,9 @@ async def one_stream(session: aiohttp.ClientSession, url: str, body: dict) -> St
                     st.error = str(chunk["error"])[:200]
                     break
                 for choice in chunk.get("choices") or []:
-                    if (choice.get("delta") or {}).get("content"):
+                    if content := (choice.get("delta") or {}).get("content"):
                         st.events.append(now)
+                        st.text.append(content)
                 if chunk.get("usage"):
                     st.completion_tokens = chunk["usage"]["completion_tokens"]
                     st.prompt_tokens = chunk["usage"]["prompt_tokens"]
@@ -117,7 +125,7 @@ async def one_stream(session: aiohttp.ClientSession, url: str, body: dict) -> St
     return st
 
 
-async def run_level(url: str, bodies: list[dict], concurrency: int) -> dict:
+async def run_level(url: str, bodies: list[dict], concurrency: int, count_tokens, want_tokens: int) -> dict:
     # Other processes share this machine: the load seen at the start of each level is
     # kept with its numbers so a noisy comparison can be recognised as such.
     load_before = round(os.getloadavg()[0], 2)
@@ -132,19 +140,29 @@ async def run_level(url: str, bodies: list[dict], concurrency: int) -> dict:
         t0 = time.perf_counter()
         streams = await asyncio.gather(*(guarded(b) for b in bodies))
         wall = time.perf_counter() - t0
+    for st in streams:
+        if st.error is None and not st.events:
+            st.error = "no content delivered"
     ok = [st for st in streams if st.error is None]
     gaps = [b - a for st in ok for a, b in zip(st.events, st.events[1:], strict=False)]
     ttft = [st.events[0] - st.started for st in ok if st.events]
-    out_tokens = sum(st.completion_tokens for st in ok)
+    out_tokens = sum(count_tokens("".join(st.text)) for st in ok)  # our count, not the server's
     events = sum(len(st.events) for st in ok)
+    errors = [st.error for st in streams if st.error]
+    v = Validity()
+    v.require(not errors, count_errors(errors))
+    short = [st.completion_tokens for st in ok if st.completion_tokens and st.completion_tokens != want_tokens]
+    v.require(not short, f"{len(short)} streams' usage says {sorted(set(short))} tokens, {want_tokens} were asked")
     return {
         "concurrency": concurrency,
         "loadavg_1m_before": load_before,
         "requests": len(bodies),
-        "errors": [st.error for st in streams if st.error][:3],
-        "num_errors": len(streams) - len(ok),
+        **v.as_dict(),
+        "errors": errors[:3],
+        "num_errors": len(errors),
         "wall_s": round(wall, 3),
         "output_tokens": out_tokens,
+        "usage_output_tokens": sum(st.completion_tokens for st in ok),
         "prompt_tokens_mean": statistics.mean(st.prompt_tokens for st in ok) if ok else None,
         "output_tok_s": round(out_tokens / wall, 2) if wall else None,
         "tokens_per_event": round(out_tokens / events, 3) if events else None,
@@ -280,15 +298,22 @@ def bodies_for(kind: str, model_id: str, prompts: list[str], out_tokens: int) ->
 
 
 def bench_server(kind: str, url: str, model_id: str, args: argparse.Namespace, levels: list[int]) -> dict:
+    from tierguard.model.tokenizer import HFTokenizer
+
+    tok = HFTokenizer(args.model_dir)
+
+    def count(text: str) -> int:
+        return len(tok.encode(text, add_special_tokens=False))
+
     endpoint = url + "/v1/chat/completions"
     warm = make_prompts(args.model_dir, 4, args.prompt_tokens, seed=999)
-    asyncio.run(run_level(endpoint, bodies_for(kind, model_id, warm, 8), 2))
+    asyncio.run(run_level(endpoint, bodies_for(kind, model_id, warm, 8), 2, count, 8))
     results = {}
     for c in levels:
         n = max(c * args.rounds, args.min_requests)
         prompts = make_prompts(args.model_dir, n, args.prompt_tokens, seed=c)
         results[str(c)] = asyncio.run(
-            run_level(endpoint, bodies_for(kind, model_id, prompts, args.output_tokens), c)
+            run_level(endpoint, bodies_for(kind, model_id, prompts, args.output_tokens), c, count, args.output_tokens)
         )
         print(f"[{kind}] c={c}: {json.dumps(results[str(c)])}", file=sys.stderr, flush=True)
     return results
@@ -352,12 +377,20 @@ def main() -> int:
         report["ratios"] = {}
         for c in map(str, levels):
             ours, theirs = report["tierguard"][c], report["transformers"][c]
+            if not (ours["valid"] and theirs["valid"]):
+                report["ratios"][c] = None  # a failed or short run on either side: nothing to compare
+                continue
             report["ratios"][c] = {
                 "output_tok_s_tierguard_over_transformers": _ratio(
                     ours["output_tok_s"], theirs["output_tok_s"]
                 ),
                 "p99_itl_transformers_over_tierguard": _ratio(theirs["itl_p99_ms"], ours["itl_p99_ms"]),
             }
+    run = Validity([f"{kind} c={c}: {why}" for kind in ("tierguard", "transformers") if kind in report
+                    for c, lv in report[kind].items() for why in lv["invalid_reasons"]])
+    run.require("transformers" in report or args.skip_transformers,
+                f"transformers did not run: {report.get('transformers_error', '?')}")
+    report.update(run.as_dict())
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:

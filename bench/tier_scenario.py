@@ -14,6 +14,8 @@ subprocesses, one after the other:
 Prints one JSON document: p50/p99 TTFT and ITL per variant (all requests, and the chats
 alone), the ratios to the reference, and the tier counters scraped from /metrics.
 Goal: contract p99 ITL within 1.25x of the reference; naive several times worse.
+A run is "valid": false (and the goal null) when any stream failed or came back empty,
+or a tiered variant did not use its tiers (EXERCISED: counters that must be non-zero).
 
     .venv/bin/python bench/tier_scenario.py [--small-blocks 160] [--threads 1]
 """
@@ -32,6 +34,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tier_common import ms, pct, scrape, serve, stream_completion, token_prompt  # noqa: E402
+from validity import Validity, count_errors  # noqa: E402
 
 COUNTERS = (
     "kv_host_hits kv_disk_hits kv_tier_misses kv_blocks_loaded kv_blocks_loaded_from_disk "
@@ -41,6 +44,18 @@ COUNTERS = (
     "kv_disk_write_errors kv_disk_healthy kv_transfer_queue_depth kv_load_p99_ms "
     "kv_transfer_device_to_host_p99_ms kv_transfer_host_to_device_p99_ms kv_block_evictions"
 ).split()
+# What each variant must show in /metrics for its numbers to mean anything: per variant,
+# groups of counters of which at least one must be > 0 (a missing counter counts as 0).
+EXERCISED: dict[str, list[tuple[tuple[str, ...], str]]] = {
+    "contract": [
+        (("kv_swap_out_blocks", "kv_offloaded_blocks"), "no block left the device pool: it was never short"),
+        (("kv_host_hits", "kv_disk_hits"), "no host- or disk-tier hit: the tiers were never read"),
+    ],
+    "naive": [
+        (("kv_naive_spills",), "no running sequence was spilled to disk"),
+        (("kv_naive_sync_reads",), "no synchronous disk read inside the step"),
+    ],
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -114,6 +129,7 @@ async def drive(url: str, a: argparse.Namespace) -> dict:
     return {
         "requests": len(streams),
         "errors": [s.error for s in streams if s.error],
+        "empty_streams": sum(1 for s in streams if not s.error and not s.events),
         "output_events": sum(len(s.events) for s in streams),
         "p50_ttft_ms": ms(pct(ttft, 50)),
         "p99_ttft_ms": ms(pct(ttft, 99)),
@@ -148,6 +164,19 @@ def flags_for(variant: str, a: argparse.Namespace, disk_root: Path) -> list[str]
     return flags
 
 
+def check(variant: str, res: dict, a: argparse.Namespace) -> Validity:
+    """Preconditions of one variant's numbers (see EXERCISED)."""
+    v = Validity()
+    expected = a.chats * a.chat_turns + 1
+    v.require(res["requests"] == expected, f"{res['requests']} requests sent, expected {expected}")
+    v.require(not res["errors"], count_errors(res["errors"], "streams"))
+    v.require(res["empty_streams"] == 0, f"{res['empty_streams']} streams ended without a token")
+    counters = res["tier_counters"]
+    for names, why in EXERCISED.get(variant, []):
+        v.require(any(counters.get(n, 0) > 0 for n in names), f"{why} ({' / '.join(names)} = 0)")
+    return v
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     disk_root = Path(a.disk_dir or tempfile.mkdtemp(prefix="tier_scenario_"))
@@ -158,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             with serve(f"tier_scenario_{variant}", flags, {"TIERGUARD_NUM_THREADS": a.threads}) as url:
                 res = asyncio.run(drive(url, a))
             res["flags"] = flags
+            res.update(check(variant, res, a).as_dict())
             out["variants"][variant] = res
             print(
                 f"{variant}: p99 ITL {res['p99_itl_ms']} ms, p99 TTFT {res['p99_ttft_ms']} ms",
@@ -167,10 +197,16 @@ def main(argv: list[str] | None = None) -> int:
         if a.disk_dir is None:
             shutil.rmtree(disk_root, ignore_errors=True)
     v = out["variants"]
+    run = Validity([f"{name}: {why}" for name, r in v.items() for why in r["invalid_reasons"]])
+    run.require("reference" in v and "contract" in v, "the goal needs both the reference and the contract")
+    out.update(run.as_dict())
     ref = v.get("reference", {}).get("p99_itl_ms")
     if ref:
-        out["p99_itl_ratio_to_reference"] = {k: round(r["p99_itl_ms"] / ref, 3) for k, r in v.items()}
-        out["goal_contract_within_1_25x"] = "contract" in v and v["contract"]["p99_itl_ms"] <= 1.25 * ref
+        out["p99_itl_ratio_to_reference"] = {
+            k: round(r["p99_itl_ms"] / ref, 3) if r["p99_itl_ms"] is not None else None for k, r in v.items()
+        }
+    met = ref and v.get("contract", {}).get("p99_itl_ms") is not None and v["contract"]["p99_itl_ms"] <= 1.25 * ref
+    out["goal_contract_within_1_25x"] = run.goal(bool(met))
     print(json.dumps(out, indent=2))
     return 0
 

@@ -66,15 +66,29 @@ def test_four_tokens_per_chunk_read_as_four_tokens(http_client):
     s = res.summary
     assert s["completed"] == 6
     for r in res.records:
-        assert r.output_tokens == 32
-        assert r.chunk_tokens == [4] * 8
+        t = tr[r.response_id]  # what the server wrote: 8 writes of 4 tokens, each timed
+        assert r.output_tokens == 32 == sum(t["tokens"])
+        assert r.chunk_tokens == t["tokens"] == [4] * 8
         assert r.token_count_source == "usage_delta"
         assert len(r.itl_samples_ms()) == 28  # 32 tokens minus the 4 of the first chunk
-    # per-token ITL is the schedule's 15 ms, the chunk gap is 4 × 15 ms
+        # each chunk's gap is spread over its 4 tokens, against the server's true write gaps
+        true_itl = np.repeat(np.diff(t["times"]) * 1000 / 4, 4)
+        assert np.median(np.abs(r.itl_samples_ms() - true_itl)) < 2
+    true_all = np.concatenate([np.repeat(np.diff(t["times"]) * 1000 / 4, 4) for t in tr.values()])
+    assert abs(s["median_itl_ms"] - np.median(true_all)) < 2
+    # Clock for clock: the client timed each chunk (the 4-token TTFT chunk included) within
+    # a few ms of the server's write of it. (The server stamps just after writing, so a
+    # reader may see a chunk a hair "before" its stamp: compare magnitudes.)
+    t0 = res.run_info["t0_monotonic"]
+    delivery = np.concatenate([(t0 + np.asarray(r.chunk_times_s) - tr[r.response_id]["times"]) * 1000
+                               for r in res.records])
+    assert np.median(np.abs(delivery)) < 5, delivery
+    # and the schedule itself: per-token ITL is 15 ms, the chunk gap is 4 × 15 ms
     assert abs(s["median_itl_ms"] - 15) < 2
     assert abs(s["median_chunk_gap_ms"] - 60) < 4
-    # TTFT is when the first chunk (4 tokens) arrived: 20 + 3 × 15 ms
-    assert abs(s["median_ttft_ms"] - 65) < 10
+    # TTFT is when the first chunk (4 tokens) arrived: 20 + 3 × 15 ms at the earliest (a
+    # loaded machine only delays it; how well it is measured is the truth check above)
+    assert s["median_ttft_ms"] >= 65
     assert s["total_output_tokens"] == 6 * 32
 
 

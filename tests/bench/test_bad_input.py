@@ -118,6 +118,7 @@ def test_invalid_flags_exit_2_with_one_line(argv, needle, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err  # one line: no 20-line usage block around it
 
 
 def test_cli_unreachable_exit_2_no_traceback(tmp_path, free_port):

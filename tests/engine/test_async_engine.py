@@ -83,7 +83,7 @@ def test_concurrent_streams_cancel_and_abort(tiny_dir):
     asyncio.run(main())
 
 
-def test_from_model_dir_end_to_end(tiny_dir):
+def test_from_model_dir_end_to_end(tiny_dir, hf_model):
     async def main():
         engine = AsyncLLMEngine.from_model_dir(
             tiny_dir,
@@ -97,18 +97,32 @@ def test_from_model_dir_end_to_end(tiny_dir):
         assert engine.model_name == "tiny" and engine.max_model_len == 256
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
         ids = engine.tokenizer.encode(prompt)
-        text = ""
+        text, out_ids = "", []
         async for o in engine.generate(
             "c", ids, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
         ):
             text += o.text_delta
+            out_ids += o.new_token_ids
             last = o
         assert last.num_output_tokens == 6 and last.num_prompt_tokens == len(ids)
         assert engine.stats().kv_blocks_total > 0
         await engine.shutdown()
-        return text
+        return ids, out_ids, text
 
-    assert isinstance(asyncio.run(main()), str)
+    ids, out_ids, text = asyncio.run(main())
+    # Greedy from transformers' own forward of the same weights, decoded by the `tokenizers`
+    # library directly: what the stream must have carried, token for token and as text.
+    import torch
+    from tokenizers import Tokenizer
+
+    hf, seq = hf_model(tiny_dir), list(ids)
+    with torch.no_grad():
+        for _ in range(6):
+            seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
+    expected = seq[len(ids) :]
+    assert out_ids == expected
+    assert text == Tokenizer.from_file(str(tiny_dir / "tokenizer.json")).decode(expected, skip_special_tokens=True)
+    assert text.strip()  # six tokens of real text, not an empty stream
 
 
 def test_from_model_dir_rejects_bad_settings(tiny_dir, tmp_path):

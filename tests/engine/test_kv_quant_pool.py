@@ -167,10 +167,14 @@ def test_greedy_agreement_over_long_generation(tiny_dir):
     assert results["fp8"].teacher_forced >= 0.95
     # int8 keeps 7 bits of mantissa-equivalent, e4m3 only 3: int8 is the closer one.
     assert results["int8"].max_logit_diff < results["fp8"].max_logit_diff
-    assert (
-        results["int8"].free_running >= results["fp8"].free_running
-        or results["int8"].first_divergence is None
-    )
+    assert results["int8"].teacher_forced >= results["fp8"].teacher_forced
+    # Free-running, int8 follows the reference at least as long as fp8 does (never leaving
+    # it counts as all 384 steps). The share of equal positions after a divergence compares
+    # two unrelated continuations, so it is not compared.
+    follows = {k: 384 if r.first_divergence is None else r.first_divergence for k, r in results.items()}
+    assert follows["int8"] >= follows["fp8"], follows
+    for r in results.values():  # the two figures agree with each other
+        assert (r.first_divergence is None) == (r.free_running == 1.0)
 
 
 def test_model_attention_error_bounded_at_long_context(tiny_dir):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 
 import pytest
 
@@ -74,13 +73,17 @@ def test_full_queue_rejects_with_retry_after():
 
 def test_nobody_waits_longer_than_max_queue_wait():
     async def main():
-        c = ctl(max_queue_wait_ms=150)
+        limit_s = 0.15
+        c = ctl(max_queue_wait_ms=limit_s * 1000)
         held = [await c.acquire(short()), await c.acquire(short())]
-        t0 = time.monotonic()
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
         with pytest.raises(Rejected) as exc:
             await c.acquire(short())
-        waited = time.monotonic() - t0
-        assert 0.14 <= waited < 0.3
+        waited = loop.time() - t0
+        # Told no at the deadline: not before it, and well before a second limit has passed
+        # (the bound is the limit itself; the margin is one more limit of loop lateness).
+        assert limit_s <= waited < 2 * limit_s, waited
         assert exc.value.reason == "queue_wait_interactive"
         assert c.stats().queued["interactive"] == 0
         for t in held:
@@ -206,16 +209,18 @@ def test_random_load_keeps_limits():
     async def main():
         c = ctl(max_concurrency=4, max_long=2, max_queue=8, max_queue_wait_ms=30)
         rng = random.Random(7)
-        peak_long = 0
+        peak_long = peak_all = ran = 0
 
         async def one():
-            nonlocal peak_long
+            nonlocal peak_long, peak_all, ran
             info = RequestInfo(input_tokens=rng.choice([10, 500]), priority=rng.choice(["interactive", "batch"]))
             await asyncio.sleep(rng.random() * 0.3)  # arrivals spread over 0.3 s
             try:
                 async with c.admit(info):
+                    ran += 1
                     c.check_integrity()
                     peak_long = max(peak_long, c.stats().in_flight["long"])
+                    peak_all = max(peak_all, sum(c.stats().in_flight.values()))
                     await asyncio.sleep(rng.random() * 0.01)
             except Rejected:
                 pass
@@ -229,7 +234,10 @@ def test_random_load_keeps_limits():
         s = c.stats()
         assert sum(s.in_flight.values()) == 0 and sum(s.queued.values()) == 0
         assert 1 <= peak_long <= 2
+        assert peak_all == 4  # the load reached the slot limit, so the limit was what held it
         admitted = sum(n for (d, _), n in s.decisions.items() if d == "admit")
-        assert admitted > 50
+        # every grant is counted; one handed to a waiter cancelled in that instant is counted
+        # and given back without running, so admitted >= ran
+        assert admitted >= ran > 0
 
     asyncio.run(main())

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import time
 
 import aiohttp
 
@@ -63,7 +62,14 @@ def test_proxy_behaviour(tmp_path):
                     await g.content.readany()
                     assert (await get_json(s, up.base_url + "/health"))[1]["active"] == 1
                 r = await stream_request(s, url, body, AUTH)
-                assert r["status"] == 200 and r["ttft"] < 0.6  # not queued behind 20 x 60 ms of a gone client
+                assert r["status"] == 200
+                # The upstream's own record (same clock for both rows): the gone stream was cut
+                # short, and the next request reached the upstream before the gone one would have
+                # ended (30 + 19 x 60 ms after its start): it did not queue behind a gone client.
+                truth = (await get_json(s, up.base_url + "/truth"))[1]["requests"]
+                gone, nxt = truth[-2], truth[-1]
+                assert len(gone["times"]) < 20, gone
+                assert nxt["arrival"] < gone["start"] + (30 + 19 * 60) / 1000
                 await asyncio.sleep(0.2)
                 assert (await get_json(s, up.base_url + "/health"))[1]["active"] == 0
                 # metrics show decisions with reasons
@@ -76,7 +82,7 @@ def test_proxy_behaviour(tmp_path):
     lines = [json.loads(x) for x in log.read_text().splitlines()]
     raw = log.read_text()
     assert KEY not in raw and "secretprompt" not in raw
-    assert {x["status"] for x in lines} >= {200, 400, 401, 413} or {x["status"] for x in lines} >= {200, 400, 413}
+    assert {x["status"] for x in lines} >= {200, 400, 401, 413}
     down = [x for x in lines if x["decision"] == "downgrade"]
     assert down and down[0]["downgraded_from"] > down[0]["input_tokens"]
     assert any(x["status"] == 499 for x in lines)
@@ -91,14 +97,13 @@ def _dead_port() -> int:
 
 
 def test_upstream_down_answers_fast(tmp_path):
+    log = tmp_path / "req.jsonl"
     with GateProcess(f"http://127.0.0.1:{_dead_port()}", "--body-timeout-s", "0.3", "--max-concurrency", "1",
-                     jobs_dir=tmp_path / "jobs") as gate:
+                     "--connect-timeout-s", "3", jobs_dir=tmp_path / "jobs", log=log) as gate:
         async def main():
             async with aiohttp.ClientSession() as s:
-                t0 = time.monotonic()
                 r = await stream_request(s, gate.url + "/v1/completions", {"prompt": "hi", "stream": True})
                 assert r["status"] == 502 and "unreachable" in r["body"]["error"]["message"]
-                assert time.monotonic() - t0 < 2.0
                 status, health = await get_json(s, gate.url + "/health")
                 assert status == 503 and health["status"] == "upstream_down"
                 # a client that sends headers and then stalls gets 408 and never held the slot
@@ -108,27 +113,36 @@ def test_upstream_down_answers_fast(tmp_path):
                 await writer.drain()
                 status, health = await get_json(s, gate.url + "/health")
                 assert health["in_flight"]["interactive"] == 0
-                t0 = time.monotonic()
-                head = await asyncio.wait_for(reader.readline(), 3)
-                assert b" 408 " in head and time.monotonic() - t0 < 1.0
+                head = await asyncio.wait_for(reader.readline(), 10)  # a hang guard, not a bound
+                assert b" 408 " in head
                 writer.close()
 
         run(main())
+    # The gate's own times: a refused connection is answered at once, not after waiting out
+    # the connect timeout; the stalled body is cut at --body-timeout-s (0.3 s), within one
+    # more timeout of lateness.
+    records = {x["status"]: x for x in map(json.loads, log.read_text().splitlines())}
+    assert records[502]["e2e_ms"] < 3000
+    assert 300 <= records[408]["e2e_ms"] < 2 * 300
 
 
 def test_slow_upstream_bounded_by_first_byte_timeout(tmp_path):
+    log = tmp_path / "req.jsonl"
     with ScheduleServer(ttft_ms=1500, itl_ms=10) as up, \
-            GateProcess(up.base_url, "--first-byte-timeout-s", "0.4", jobs_dir=tmp_path / "jobs") as gate:
+            GateProcess(up.base_url, "--first-byte-timeout-s", "0.4", jobs_dir=tmp_path / "jobs", log=log) as gate:
         async def main():
             async with aiohttp.ClientSession() as s:
-                t0 = time.monotonic()
                 r = await stream_request(s, gate.url + "/v1/completions", {"prompt": "hi", "stream": True})
-                elapsed = time.monotonic() - t0
-                assert r["status"] == 504 and elapsed < 1.5
+                assert r["status"] == 504
                 r = await stream_request(s, gate.url + "/v1/completions", {"prompt": "hi"})
                 assert r["status"] == 504
 
         run(main())
+    # The gate's own times: it gave up at its 0.4 s timeout, before the upstream's first
+    # byte (1.5 s) could have come.
+    records = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [x["status"] for x in records] == [504, 504]
+    assert all(400 <= x["e2e_ms"] < 1500 for x in records), records
 
 
 def test_full_queue_hands_off_to_async_when_configured(tmp_path):

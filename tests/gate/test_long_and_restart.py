@@ -54,7 +54,9 @@ def test_max_long_one_serialises_long_sessions_and_short_ones_flow(tmp_path):
     assert elapsed >= 3 * service * 0.95  # three long sessions ran one after another
     assert sorted(float(r["headers"]["X-Tierguard-Queue-Ms"]) for r in long_results)[-1] >= 2 * service * 900
     assert all(r["status"] == 200 and r["headers"]["X-Tierguard-Class"] == "interactive" for r in short_results)
-    assert max(float(r["headers"]["X-Tierguard-Queue-Ms"]) for r in short_results) < 50  # never behind longs
+    # never behind longs: the gate granted every short one a free slot at once (it records 0.0
+    # only on that path; any wait in a queue is measured and would show)
+    assert {r["headers"]["X-Tierguard-Queue-Ms"] for r in short_results} == {"0.0"}
 
 
 def test_async_jobs_survive_a_gate_crash(tmp_path):

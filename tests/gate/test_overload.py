@@ -1,18 +1,20 @@
 """Overload: a flood at 3x the upstream's capacity through the gate.
 
-Must hold: every request completes or gets an explicit 429 (with Retry-After); the
-admitted requests' p99 TTFT stays under the budget (max queue wait + upstream TTFT +
-slack); nobody waits longer than --max-queue-wait-ms; the upstream never holds more than
-its capacity; the gate's RSS stays flat between two floods.
+Must hold: every request completes or gets an explicit 429 (with Retry-After); nobody
+waits longer than --max-queue-wait-ms, read from the gate's own request log (queue wait
+of the admitted, time to the answer of the refused), with a margin that is a share of
+the limit; the upstream never holds more than its capacity. The speed and memory
+targets of the same flood (p99 TTFT within a budget, flat RSS) are in
+`bench/gate_overload.py`, not here.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import aiohttp
-import psutil
 import pytest
 
 from tests.gate.helpers import GateProcess, get_json, run
@@ -21,7 +23,9 @@ from tierguard.bench.schedule_server import ScheduleServer
 CAPACITY = 4
 TTFT_MS, ITL_MS, TOKENS = 40, 10, 16
 MAX_WAIT_MS = 500
-SLACK_S = 0.5  # loopback + a shared 2-core machine running client, gate and upstream
+# The gate's event loop may run late on a shared 2-core machine (client, gate and
+# upstream all on it): its records may exceed the limit by this share of the limit.
+LATE_SHARE = 0.5
 
 
 async def _one(s: aiohttp.ClientSession, url: str, i: int) -> dict:
@@ -57,7 +61,7 @@ async def _flood(url: str, rate: float, duration_s: float) -> list[dict]:
         return await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _check(results: list, budget_s: float) -> dict:
+def _check(results: list, log: list[dict]) -> dict:
     errors = [r for r in results if isinstance(r, BaseException)]
     assert not errors, errors[:3]
     ok = [r for r in results if r["status"] == 200]
@@ -67,30 +71,36 @@ def _check(results: list, budget_s: float) -> dict:
     assert all(r["complete"] for r in ok)
     assert all(r["retry_after"] and int(r["retry_after"]) >= 1 for r in rejected)
     assert all(r["error"]["type"] == "rate_limit_exceeded" for r in rejected)
-    ttfts = sorted(r["ttft"] for r in ok)
-    p99 = ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))]
-    assert p99 < budget_s, p99
-    assert max(r["queue_ms"] for r in ok) <= MAX_WAIT_MS + 50  # granted at the deadline at the latest
-    assert max(r["e2e"] for r in rejected) < MAX_WAIT_MS / 1000 + SLACK_S
-    return {"ok": len(ok), "rejected": len(rejected), "p99_ttft_s": p99}
+    # The gate's own record of each request (its JSONL log), one line per request.
+    assert sorted(x["status"] for x in log) == sorted(r["status"] for r in results)
+    bound_ms = MAX_WAIT_MS * (1 + LATE_SHARE)
+    admitted = [x for x in log if x["status"] == 200]
+    refused = [x for x in log if x["status"] == 429]
+    assert max(x["queue_wait_ms"] for x in admitted) <= bound_ms  # granted by the deadline
+    assert max(x["e2e_ms"] for x in refused) <= bound_ms  # told no by the deadline
+    assert {x["reason"] for x in refused} <= {"queue_full_interactive", "queue_wait_interactive"}
+    return {"ok": len(ok), "rejected": len(rejected)}
 
 
 def _overload(tmp_path, seconds: float) -> None:
     service_s = (TTFT_MS + ITL_MS * (TOKENS - 1)) / 1000
     rate = 3 * CAPACITY / service_s  # 3x what the upstream can serve
-    budget_s = MAX_WAIT_MS / 1000 + TTFT_MS / 1000 + SLACK_S
+    log = tmp_path / "gate.jsonl"
     with ScheduleServer(capacity=CAPACITY, ttft_ms=TTFT_MS, itl_ms=ITL_MS) as up, \
             GateProcess(up.base_url, "--max-concurrency", str(CAPACITY), "--max-queue", "8",
-                        "--max-queue-wait-ms", str(MAX_WAIT_MS), jobs_dir=tmp_path / "jobs") as gate:
-        proc = psutil.Process(gate.pid)
+                        "--max-queue-wait-ms", str(MAX_WAIT_MS), jobs_dir=tmp_path / "jobs", log=log) as gate:
         url = gate.url + "/v1/completions"
-        _check(run(_flood(url, rate, seconds / 2)), budget_s)  # warm-up flood: allocator and pools grow
-        rss_before = proc.memory_info().rss
-        stats = _check(run(_flood(url, rate, seconds)), budget_s)
-        rss_after = proc.memory_info().rss
-        print({**stats, "rate_rps": round(rate, 1), "budget_s": budget_s,
-               "rss_growth_mib": round((rss_after - rss_before) / 2**20, 2)})
-        assert rss_after - rss_before < 16 * 2**20, (rss_before, rss_after)
+        seen = 0
+
+        def new_records() -> list[dict]:
+            nonlocal seen
+            lines = log.read_text().splitlines()
+            seen, fresh = len(lines), lines[seen:]
+            return [json.loads(x) for x in fresh]
+
+        _check(run(_flood(url, rate, seconds / 2)), new_records())
+        stats = _check(run(_flood(url, rate, seconds)), new_records())
+        print({**stats, "rate_rps": round(rate, 1)})
         upstream_health = run(_health(up.base_url))
         assert upstream_health["max_active"] <= CAPACITY  # the engine never queued behind the gate
         assert stats["ok"] >= CAPACITY * seconds / service_s * 0.5  # the upstream was kept busy

@@ -56,8 +56,22 @@ def test_secret_in_config_is_refused(tmp_path, capsys):
     assert "hunter2" not in err and "api_key" in err
 
 
-def test_policy_defaults_are_valid():
-    AdmissionPolicy().validate()
+def test_policy_defaults_are_valid_and_match_the_documented_ones():
+    import re
+
+    from tierguard.cli.gate import _POLICY_FLAGS
+    from tierguard.common.units import parse_tokens
+
+    policy = AdmissionPolicy()
+    assert policy.validate() is policy
+    # `tierguard gate --help` states each default; the dataclass is what actually applies.
+    documented = {flag.replace("-", "_"): m.group(1) for flag, (_type, text) in _POLICY_FLAGS.items()
+                  if (m := re.search(r"\(default ([^)]+)\)", text))}
+    assert documented.keys() >= {"max_concurrency", "long_threshold", "max_long", "max_queue", "max_queue_wait_ms"}
+    for name, text in documented.items():
+        assert getattr(policy, name) == parse_tokens(text, name), name
+    # the documented invariant: max_long never exceeds max_concurrency after validate()
+    assert AdmissionPolicy(max_concurrency=2, max_long=10).validate().max_long == 2
 
 
 def _chat(n_turns: int, words: int = 20) -> list[dict]:

@@ -5,7 +5,6 @@ import re
 
 from tierguard.report import write_report
 from tierguard.report.load import load_run, parse_counters
-from tierguard.report.tables import boundary_table
 
 
 def test_writes_all_files_with_the_boundary(run_dir, tmp_path):
@@ -32,12 +31,22 @@ def test_html_is_self_contained(run_dir, tmp_path):
     assert "Recommendation" in html and "failed" in html
 
 
+# Written from the fixture, not from the code under test: "small" serves 3 at once and
+# "big" 6 (conftest `caps`), beyond that requests queue, so TTFT is the SLO that breaks;
+# "broken" never starts. Same at both context lengths.
+EXPECTED_BOUNDARY = """\
+| variant | status | ctx 64 | ctx 256 |
+|---|---|---|---|
+| small | done | 3 (ttft) | 3 (ttft) |
+| broken | failed | failed | failed |
+| big | done | 6 (ttft) | 6 (ttft) |
+"""
+
+
 def test_markdown_has_the_same_boundary_table(run_dir, tmp_path):
     files = write_report(run_dir, tmp_path / "out")
     md = files.markdown.read_text()
-    table = boundary_table(load_run(run_dir))
-    for row in table.rows:
-        assert "| " + " | ".join(row) + " |" in md
+    assert EXPECTED_BOUNDARY in md
     for p in files.plots:
         assert f"plots/{p.name}" in md
         assert p.exists()

@@ -19,11 +19,11 @@ COMMANDS = ["plan", "model", "serve", "bench", "topo", "gate", "sweep", "report"
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse exits with 2 on bad flags already; keep its message on one line."""
+    """argparse exits with 2 on bad flags already; keep its message on one line (no usage
+    block: the full usage of a subcommand runs to 20 lines and buries the problem)."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.print_usage(sys.stderr)
-        print(f"tierguard: error: {message}", file=sys.stderr)
+        print(f"tierguard: error: {message} (see '{self.prog} --help')", file=sys.stderr)
         raise SystemExit(2)
 
 

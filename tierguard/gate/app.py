@@ -19,6 +19,7 @@ from tierguard.gate.forward import UpstreamError
 from tierguard.gate.http import auth_middleware, error_response
 from tierguard.gate.policy import GateSettings
 from tierguard.gate.proxy import completions
+from tierguard.gate.reqlog import RequestRecord
 from tierguard.gate.state import GateState
 
 log = logging.getLogger("tierguard.gate")
@@ -71,9 +72,16 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=state.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
 
 
+def _refused(request: web.Request) -> None:
+    """A request without a valid key is a request too: one log line (no key in it), counted."""
+    state: GateState = request.app["gate"]
+    state.reqlog.write(RequestRecord(route=request.path, decision="reject", reason="unauthenticated", status=401))
+    state.metrics.child(state.metrics.responses, "401").inc()
+
+
 def build_app(settings: GateSettings) -> web.Application:
     # The size limit is enforced by read_json with a clear message; this is a backstop.
-    app = web.Application(middlewares=[auth_middleware(settings.api_keys)],
+    app = web.Application(middlewares=[auth_middleware(settings.api_keys, _refused)],
                           client_max_size=settings.max_body_bytes + 1024)
 
     async def startup(app: web.Application) -> None:

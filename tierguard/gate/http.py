@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -60,13 +61,17 @@ def key_matches(presented: str, keys: list[str]) -> bool:
     return ok
 
 
-def auth_middleware(keys: list[str]):
+def auth_middleware(keys: list[str], on_refused: Callable[[web.Request], None] | None = None):
+    """401 without a valid key; `on_refused(request)` records the refusal (request log)."""
+
     @web.middleware
     async def check(request: web.Request, handler):
         if keys and request.path not in PUBLIC_PATHS:
             auth = request.headers.get("Authorization", "")
             token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
             if not key_matches(token, keys):
+                if on_refused is not None:
+                    on_refused(request)
                 return error_response(401, "missing or invalid API key", etype="authentication_error")
         return await handler(request)
 
