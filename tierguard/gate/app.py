@@ -15,19 +15,22 @@ from collections.abc import Callable
 import aiohttp
 from aiohttp import web
 
+from tierguard.common.peers import PeerGuard
 from tierguard.gate.forward import UpstreamError
-from tierguard.gate.http import auth_middleware, error_response
+from tierguard.gate.http import TENANT, auth_middleware, error_response
 from tierguard.gate.policy import GateSettings
 from tierguard.gate.proxy import completions
-from tierguard.gate.state import GateState
+from tierguard.gate.state import GateState, peer_limits
 
 log = logging.getLogger("tierguard.gate")
 
 
 async def job_status(request: web.Request) -> web.Response:
+    """A job, to the key that created it only: any other key gets the same 404 as an unknown id
+    (telling "exists, not yours" apart would confirm that a guessed id exists)."""
     state: GateState = request.app["gate"]
-    job = state.jobs.load(request.match_info["job_id"])
-    if job is None:
+    job = await asyncio.to_thread(state.jobs.load, request.match_info["job_id"])  # file read + decrypt
+    if job is None or job.owner != request.get(TENANT):
         return error_response(404, "no such async job")
     return web.json_response(job.public())
 
@@ -72,12 +75,16 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def build_app(settings: GateSettings) -> web.Application:
+    """The gate; serve it with `app["guard"].runner(app)` so the header deadline applies."""
+    guard = PeerGuard(peer_limits(settings))
     # The size limit is enforced by read_json with a clear message; this is a backstop.
-    app = web.Application(middlewares=[auth_middleware(settings.api_keys)],
-                          client_max_size=settings.max_body_bytes + 1024)
+    # The guard's middleware goes first: it must see refused requests too (to stop their header timer).
+    app = web.Application(middlewares=[guard.middleware(), auth_middleware(settings.api_keys)],
+                          client_max_size=(settings.max_body_bytes or 64 * 1024**2) + 1024)
+    app["guard"] = guard
 
     async def startup(app: web.Application) -> None:
-        app["gate"] = await GateState.create(settings)
+        app["gate"] = await GateState.create(settings, guard)
 
     async def cleanup(app: web.Application) -> None:
         await app["gate"].close()
@@ -97,7 +104,8 @@ async def serve(settings: GateSettings, on_ready: Callable[[int], None] | None =
                 stop: asyncio.Event | None = None) -> None:
     """Run until SIGINT/SIGTERM (or `stop` is set). Handlers are cancelled when a client
     disconnects, which is what frees its slot and closes its upstream request."""
-    runner = web.AppRunner(build_app(settings), access_log=None, handler_cancellation=True)
+    app = build_app(settings)
+    runner = app["guard"].runner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port, backlog=4096)
     await site.start()

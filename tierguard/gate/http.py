@@ -1,4 +1,4 @@
-"""HTTP edges of the gate: OpenAI-style errors, bounded body reads, API-key checks.
+"""HTTP edges of the gate: OpenAI-style errors, bounded body reads, API-key checks, tenants.
 
 OpenAI clients read `{"error": {"message", "type", "param", "code"}}` and honour
 `Retry-After` on 429, so every refusal goes through `error_response`.
@@ -6,11 +6,13 @@ OpenAI clients read `{"error": {"message", "type", "param", "code"}}` and honour
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 
 from aiohttp import web
+
+from tierguard.common.peers import BodyError, PeerGuard
+from tierguard.gate.jobs import owner_id
 
 PUBLIC_PATHS = ("/health", "/metrics")
 
@@ -22,33 +24,18 @@ def error_response(status: int, message: str, etype: str = "invalid_request_erro
     return web.json_response(body, status=status, headers=headers)
 
 
-async def read_json(request: web.Request, max_bytes: int, timeout_s: float) -> dict:
-    """Read and parse the body within a size limit and a deadline.
+async def read_json(request: web.Request, guard: PeerGuard, max_bytes: int) -> dict:
+    """Read and parse the body within a size limit and the guard's deadline.
 
-    Raises HTTPRequestEntityTooLarge (413), HTTPRequestTimeout (408) or HTTPBadRequest
-    (400); the caller turns them into OpenAI-style errors.
+    Raises BodyError: 413 (too large), 408 (too slow) or 400 (not a JSON object).
     """
-    if request.content_length is not None and request.content_length > max_bytes:
-        raise web.HTTPRequestEntityTooLarge(max_size=max_bytes, actual_size=request.content_length,
-                                            text=f"request body over the limit of {max_bytes} bytes")
-    try:
-        async with asyncio.timeout(timeout_s):
-            parts, size = [], 0
-            while chunk := await request.content.read(1 << 16):  # b"" at end of body
-                size += len(chunk)
-                if size > max_bytes:
-                    raise web.HTTPRequestEntityTooLarge(max_size=max_bytes, actual_size=size,
-                                                        text=f"request body over the limit of {max_bytes} bytes")
-                parts.append(chunk)
-            raw = b"".join(parts)
-    except TimeoutError:
-        raise web.HTTPRequestTimeout(text=f"request body not received within {timeout_s:g} s") from None
+    raw = await guard.read_body(request, max_bytes)
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
-        raise web.HTTPBadRequest(text="malformed JSON body") from None
+        raise BodyError(400, "malformed JSON body") from None
     if not isinstance(body, dict):
-        raise web.HTTPBadRequest(text="the body must be a JSON object")
+        raise BodyError(400, "the body must be a JSON object")
     return body
 
 
@@ -60,14 +47,21 @@ def key_matches(presented: str, keys: list[str]) -> bool:
     return ok
 
 
+TENANT = "tierguard_tenant"  # request key: owner_id() of the caller's API key, None without keys
+
+
 def auth_middleware(keys: list[str]):
+    """401 without a valid key; with one, the request carries its tenant (async job ownership)."""
+
     @web.middleware
     async def check(request: web.Request, handler):
+        request[TENANT] = None
         if keys and request.path not in PUBLIC_PATHS:
             auth = request.headers.get("Authorization", "")
             token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
             if not key_matches(token, keys):
                 return error_response(401, "missing or invalid API key", etype="authentication_error")
+            request[TENANT] = owner_id(token)
         return await handler(request)
 
     return check

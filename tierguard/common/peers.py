@@ -1,0 +1,312 @@
+"""Slow peers, for both servers: header and body deadlines, and a slow-reader policy.
+
+What aiohttp offers and what it lacks (3.9–3.14): `client_max_size` bounds a body's
+size, and `keepalive_timeout` closes idle kept-alive connections. It has no deadline
+for a request's headers, none for its body, and a response writer waits in `drain()`
+for as long as the peer does not read. A few hundred sockets that trickle their headers
+(slowloris), a body sent one byte a second, or a client that stops reading a stream
+each hold a socket, and the last also a slot and its KV, for as long as they like.
+So, with one counter each in /metrics:
+
+- header timeout: a thin protocol wrapper arms a timer when a connection opens, and
+  again at the first byte of a later request; the middleware cancels it when the
+  request's headers are complete (that is when aiohttp calls a handler). When it fires,
+  the peer gets a JSON 408 and the connection is closed.
+- body timeout: `read_body` reads within a deadline (and a size limit) -> 408 (413).
+- slow reader: before each write of a stream, `Backlog.check()` adds the bytes still
+  queued for the peer in the process (transport buffer) and in the kernel (SIOCOUTQ,
+  Linux); above the high-water mark the connection is aborted and `SlowReader` (a
+  ConnectionResetError, which both servers already treat as "client gone") is raised,
+  so the usual path frees the admission slot and aborts the engine request (its KV).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import math
+import sys
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from tierguard.common.errors import TierguardError
+
+try:
+    from termios import TIOCOUTQ  # == SIOCOUTQ for sockets on Linux
+except ImportError:  # pragma: no cover - not on Windows
+    TIOCOUTQ = None
+
+
+LINGERING_S = 2.0
+
+
+@dataclass
+class PeerLimits:
+    header_timeout_s: float = 10.0  # accept (or a later request's first byte) -> headers complete
+    body_timeout_s: float = 10.0  # headers complete -> whole body read
+    slow_reader_bytes: int = 1024 * 1024  # output queued for one peer before its stream is ended
+    keepalive_timeout_s: float = 75.0  # idle kept-alive connection (aiohttp's own timer)
+
+    def validate(self) -> PeerLimits:
+        for name in ("header_timeout_s", "body_timeout_s", "keepalive_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or not math.isfinite(v):
+                raise TierguardError(f"{name} must be a positive number of seconds, got {v!r}")
+        v = self.slow_reader_bytes
+        if isinstance(v, bool) or not isinstance(v, int) or v < 4096:
+            raise TierguardError(f"slow_reader_bytes must be a whole number >= 4096, got {v!r}")
+        return self
+
+
+@dataclass
+class EdgeCounters:
+    """Work refused or cut off at the edge of a server; exported by `EdgeCollector`."""
+
+    header_timeouts: int = 0
+    body_timeouts: int = 0
+    slow_readers: int = 0
+    too_large: int = 0  # bodies over the limit (413)
+    byte_rule_refusals: int = 0  # prompts refused by the byte rule before tokenizing
+    open_connections: int = 0
+
+
+class SlowReader(ConnectionResetError):
+    """The peer let more than the high-water mark of output pile up; its stream was ended."""
+
+
+class BodyError(Exception):
+    """A body that is too large (413) or too slow (408); `message` names the limit."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class PeerGuard:
+    """One per server: the limits, the counters, and the connections it watches."""
+
+    def __init__(self, limits: PeerLimits | None = None) -> None:
+        self.limits = (limits or PeerLimits()).validate()
+        self.counters = EdgeCounters()
+        self._conns: dict[asyncio.BaseTransport, _GuardedProtocol] = {}
+
+    # -- headers ------------------------------------------------------------------------
+    def middleware(self):
+        """Outermost middleware: a handler runs once the headers are in, so the timer stops."""
+
+        @web.middleware
+        async def headers_complete(request: web.Request, handler):
+            conn = self._conns.get(request.transport) if request.transport is not None else None
+            if conn is not None:
+                conn.request_started()
+            try:
+                return await handler(request)
+            finally:
+                if conn is not None:
+                    conn.request_ended()
+
+        return headers_complete
+
+    def runner(self, app: web.Application, **kwargs) -> web.AppRunner:
+        """An AppRunner whose connections are watched; `keepalive_timeout` from the limits."""
+        kwargs.setdefault("keepalive_timeout", self.limits.keepalive_timeout_s)
+        # After a refused body (408/413), aiohttp reads and drops the rest for up to this long
+        # before closing, so the client sees the answer rather than a reset (its default is 10 s).
+        kwargs.setdefault("lingering_time", LINGERING_S)
+        return GuardedRunner(app, self, **kwargs)
+
+    # -- bodies ---------------------------------------------------------------------------
+    async def read_body(self, request: web.Request, max_bytes: int) -> bytes:
+        """The whole body within `max_bytes` and the body timeout; BodyError otherwise."""
+        if request.content_length is not None and request.content_length > max_bytes:
+            self.counters.too_large += 1
+            raise BodyError(413, _too_large(request.content_length, max_bytes))
+        timeout_s = self.limits.body_timeout_s
+        parts, size = [], 0
+        try:
+            async with asyncio.timeout(timeout_s):
+                while chunk := await request.content.read(1 << 16):  # b"" at end of body
+                    size += len(chunk)
+                    if size > max_bytes:
+                        self.counters.too_large += 1
+                        raise BodyError(413, _too_large(size, max_bytes, at_least=True))
+                    parts.append(chunk)
+        except TimeoutError:
+            self.counters.body_timeouts += 1
+            raise BodyError(408, f"request body not received within {timeout_s:g} s "
+                                 f"(got {size} bytes); send it faster or in one piece") from None
+        return b"".join(parts)
+
+    # -- streams --------------------------------------------------------------------------
+    def backlog(self, request: web.Request) -> Backlog | None:
+        """A slow-reader check for one streamed response (None when the peer is gone)."""
+        transport = request.transport
+        return None if transport is None else Backlog(self, transport)
+
+
+def _too_large(size: int, limit: int, at_least: bool = False) -> str:
+    return (f"request body is {'over ' if at_least else ''}{size} bytes; this server accepts at most {limit} "
+            f"(it follows from max_model_len; see --max-body-bytes)")
+
+
+class Backlog:
+    """Bytes queued for one peer, checked before each write of a stream."""
+
+    __slots__ = ("_guard", "_transport", "_fd", "_limit")
+
+    def __init__(self, guard: PeerGuard, transport: asyncio.BaseTransport) -> None:
+        self._guard = guard
+        self._transport = transport
+        self._limit = guard.limits.slow_reader_bytes
+        sock = transport.get_extra_info("socket")
+        self._fd = sock.fileno() if sock is not None and TIOCOUTQ is not None else -1
+        # The writer must not wait in drain() below our own mark, or the check never runs again.
+        with contextlib.suppress(AttributeError, NotImplementedError):
+            transport.set_write_buffer_limits(high=4 * self._limit + (1 << 20))  # type: ignore[attr-defined]
+
+    def queued(self) -> int:
+        n = self._transport.get_write_buffer_size()  # type: ignore[attr-defined]
+        if self._fd >= 0:
+            with contextlib.suppress(OSError):
+                n += int.from_bytes(fcntl.ioctl(self._fd, TIOCOUTQ, b"\0\0\0\0"), sys.byteorder, signed=True)
+        return n
+
+    def check(self) -> None:
+        """Raise SlowReader (after aborting the connection) when the peer fell too far behind."""
+        if self.queued() > self._limit:
+            self._guard.counters.slow_readers += 1
+            self._transport.abort()
+            raise SlowReader(f"peer has more than {self._limit} bytes of output unread")
+
+
+class GuardedRunner(web.AppRunner):
+    """`web.AppRunner` whose protocol factory wraps every connection in `_GuardedProtocol`.
+
+    `_make_server` is BaseRunner's extension point (AppRunner and ServerRunner override
+    it too); the returned factory forwards everything else to aiohttp's Server."""
+
+    def __init__(self, app: web.Application, guard: PeerGuard, **kwargs) -> None:
+        super().__init__(app, **kwargs)
+        self.guard = guard
+
+    async def _make_server(self):
+        return _GuardedFactory(await super()._make_server(), self.guard)
+
+
+class _GuardedFactory:
+    def __init__(self, server, guard: PeerGuard) -> None:
+        self._server = server
+        self._guard = guard
+
+    def __call__(self) -> _GuardedProtocol:
+        return _GuardedProtocol(self._server(), self._guard)
+
+    def __getattr__(self, name: str):
+        return getattr(self._server, name)
+
+
+class _GuardedProtocol(asyncio.Protocol):
+    """aiohttp's RequestHandler plus a header deadline; every callback is passed on."""
+
+    def __init__(self, inner: asyncio.Protocol, guard: PeerGuard) -> None:
+        self._inner = inner
+        self._guard = guard
+        self._transport: asyncio.Transport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._busy = 0  # requests whose headers are in and whose handler runs
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        self._guard._conns[transport] = self
+        self._guard.counters.open_connections += 1
+        self._arm()
+        self._inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._busy and self._timer is None:
+            self._arm()  # the first byte of the next request on a kept-alive connection
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel()
+        if self._guard._conns.pop(self._transport, None) is not None:  # type: ignore[arg-type]
+            self._guard.counters.open_connections -= 1
+        self._inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+    def request_started(self) -> None:
+        self._busy += 1
+        self._cancel()
+
+    def request_ended(self) -> None:
+        self._busy -= 1
+
+    def _arm(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(self._guard.limits.header_timeout_s, self._expired)
+
+    def _cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expired(self) -> None:
+        self._timer = None
+        t = self._transport
+        if self._busy or t is None or t.is_closing():
+            return
+        self._guard.counters.header_timeouts += 1
+        s = self._guard.limits.header_timeout_s
+        body = json.dumps({"error": {"message": f"request headers not received within {s:g} s",
+                                     "type": "request_timeout", "param": None, "code": 408}}).encode()
+        head = (f"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+        with contextlib.suppress(Exception):  # the peer may be gone already; closing is what matters
+            t.write(head + body)
+        t.close()
+        asyncio.get_running_loop().call_later(1.0, t.abort)  # a peer that reads nothing cannot hold it
+
+
+class EdgeCollector:
+    """Prometheus view of `EdgeCounters` (+ the tokenizer pool), read at scrape time."""
+
+    def __init__(self, prefix: str, guard: PeerGuard, pool=None, labels: dict[str, str] | None = None) -> None:
+        self.prefix, self.guard, self.pool = prefix, guard, pool
+        self.labels = labels or {}
+
+    def _family(self, kind, name: str, doc: str, value: float):
+        fam = kind(self.prefix + name, doc, labels=list(self.labels))
+        fam.add_metric(list(self.labels.values()), value)
+        return fam
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily as C
+        from prometheus_client.core import GaugeMetricFamily as G
+
+        c = self.guard.counters
+        yield self._family(C, "http_header_timeouts", "Connections closed: headers not complete in time",
+                           c.header_timeouts)
+        yield self._family(C, "http_body_timeouts", "Requests refused (408): body not read in time", c.body_timeouts)
+        yield self._family(C, "http_slow_readers", "Streams ended: the peer let output pile up past the "
+                           "high-water mark", c.slow_readers)
+        yield self._family(C, "http_body_too_large", "Requests refused (413): body over the limit", c.too_large)
+        yield self._family(C, "byte_rule_refusals", "Prompts refused before tokenizing: cannot fit "
+                           "max_model_len by the byte rule", c.byte_rule_refusals)
+        yield self._family(G, "http_open_connections", "Connections open now", c.open_connections)
+        if self.pool is not None:
+            s = self.pool.stats
+            yield self._family(G, "tokenizer_pending", "Tokenizer jobs queued or running", s.pending)
+            yield self._family(C, "tokenizer_jobs", "Tokenizer jobs sent to workers", s.submitted)
+            yield self._family(C, "tokenizer_busy", "Requests refused (503): tokenizer queue full", s.rejected)
