@@ -26,11 +26,13 @@ import asyncio
 import contextlib
 import fcntl
 import json
+import logging
 import math
 import sys
 from dataclasses import dataclass
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from tierguard.common.errors import TierguardError
 
@@ -70,6 +72,7 @@ class EdgeCounters:
     slow_readers: int = 0
     too_large: int = 0  # bodies over the limit (413)
     byte_rule_refusals: int = 0  # prompts refused by the byte rule before tokenizing
+    malformed: int = 0  # requests that were not valid HTTP (aiohttp answered 400)
     open_connections: int = 0
 
 
@@ -117,6 +120,7 @@ class PeerGuard:
         # After a refused body (408/413), aiohttp reads and drops the rest for up to this long
         # before closing, so the client sees the answer rather than a reset (its default is 10 s).
         kwargs.setdefault("lingering_time", LINGERING_S)
+        kwargs.setdefault("logger", _ServerLog(self.counters))
         return GuardedRunner(app, self, **kwargs)
 
     # -- bodies ---------------------------------------------------------------------------
@@ -151,6 +155,45 @@ class PeerGuard:
 def _too_large(size: int, limit: int, at_least: bool = False) -> str:
     return (f"request body is {'over ' if at_least else ''}{size} bytes; this server accepts at most {limit} "
             f"(it follows from max_model_len; see --max-body-bytes)")
+
+
+async def expect_json(request: web.Request) -> web.StreamResponse | None:
+    """Routes' `expect_handler`: aiohttp's own one (100 Continue), but an unknown
+    expectation gets a JSON 417 like every other refusal instead of a plain-text one.
+    (aiohttp runs it before any middleware, so the middlewares cannot reshape it.)"""
+    expect = request.headers.get("Expect", "")
+    if request.version != (1, 1):
+        return None
+    if expect.lower() == "100-continue":
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the response proper has not started (as aiohttp does)
+        return None
+    resp = web.json_response({"error": {"message": f"unknown Expect: {expect[:100]}; only 100-continue is "
+                                                   f"supported", "type": "expectation_failed", "param": None,
+                                        "code": 417}}, status=417)
+    resp.force_close()
+    return resp
+
+
+class _ServerLog(logging.LoggerAdapter):
+    """aiohttp.server's logger, minus the traceback aiohttp logs for every malformed request.
+
+    A request that is not valid HTTP is the client's problem, already answered with 400:
+    it is counted and logged as one line at INFO, not as an ERROR with a traceback. Any
+    other exception is logged exactly as aiohttp would."""
+
+    def __init__(self, counters: EdgeCounters) -> None:
+        super().__init__(logging.getLogger("aiohttp.server"), {})
+        self.counters = counters
+
+    def exception(self, msg, *args, exc_info=True, **kwargs) -> None:
+        exc = exc_info if isinstance(exc_info, BaseException) else sys.exc_info()[1]
+        if isinstance(exc, HttpProcessingError) and 400 <= (exc.code or 0) < 500:
+            self.counters.malformed += 1
+            first = str(exc.message).strip().splitlines()[0] if exc.message else type(exc).__name__
+            self.logger.info("malformed request (%d): %s", exc.code, first[:200])
+            return
+        self.logger.exception(msg, *args, exc_info=exc_info, **kwargs)
 
 
 class Backlog:
@@ -304,6 +347,7 @@ class EdgeCollector:
         yield self._family(C, "http_body_too_large", "Requests refused (413): body over the limit", c.too_large)
         yield self._family(C, "byte_rule_refusals", "Prompts refused before tokenizing: cannot fit "
                            "max_model_len by the byte rule", c.byte_rule_refusals)
+        yield self._family(C, "http_malformed", "Requests that were not valid HTTP (400 from aiohttp)", c.malformed)
         yield self._family(G, "http_open_connections", "Connections open now", c.open_connections)
         if self.pool is not None:
             s = self.pool.stats

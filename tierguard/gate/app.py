@@ -15,9 +15,9 @@ from collections.abc import Callable
 import aiohttp
 from aiohttp import web
 
-from tierguard.common.peers import PeerGuard
+from tierguard.common.peers import PeerGuard, expect_json
 from tierguard.gate.forward import UpstreamError
-from tierguard.gate.http import TENANT, auth_middleware, error_response
+from tierguard.gate.http import TENANT, auth_middleware, error_response, json_errors_middleware
 from tierguard.gate.policy import GateSettings
 from tierguard.gate.proxy import completions
 from tierguard.gate.state import GateState, peer_limits
@@ -79,7 +79,7 @@ def build_app(settings: GateSettings) -> web.Application:
     guard = PeerGuard(peer_limits(settings))
     # The size limit is enforced by read_json with a clear message; this is a backstop.
     # The guard's middleware goes first: it must see refused requests too (to stop their header timer).
-    app = web.Application(middlewares=[guard.middleware(), auth_middleware(settings.api_keys)],
+    app = web.Application(middlewares=[guard.middleware(), json_errors_middleware(), auth_middleware(settings.api_keys)],
                           client_max_size=(settings.max_body_bytes or 64 * 1024**2) + 1024)
     app["guard"] = guard
 
@@ -91,12 +91,12 @@ def build_app(settings: GateSettings) -> web.Application:
 
     app.on_startup.append(startup)
     app.on_cleanup.append(cleanup)
+    # expect_json: an unknown `Expect:` gets a JSON 417 too (aiohttp answers it before any middleware)
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/async/completions", "/v1/async/chat/completions"):
-        app.router.add_post(path, completions)
-    app.router.add_get("/v1/async/{job_id}", job_status)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
+        app.router.add_post(path, completions, expect_handler=expect_json)
+    for path, handler in (("/v1/async/{job_id}", job_status), ("/v1/models", models), ("/health", health),
+                          ("/metrics", metrics)):
+        app.router.add_get(path, handler, expect_handler=expect_json)
     return app
 
 

@@ -47,6 +47,22 @@ def key_matches(presented: str, keys: list[str]) -> bool:
     return ok
 
 
+def json_errors_middleware():
+    """aiohttp's own refusals (no such route, wrong method) in the same JSON shape as ours."""
+
+    @web.middleware
+    async def json_errors(request: web.Request, handler):
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            msg = "no such route" if exc.status == 404 else exc.reason
+            return error_response(exc.status, f"{request.method} {request.path}: {msg}")
+
+    return json_errors
+
+
 TENANT = "tierguard_tenant"  # request key: owner_id() of the caller's API key, None without keys
 
 

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from tierguard import __version__
 from tierguard.common.errors import TierguardError
-from tierguard.common.peers import EdgeCollector, PeerGuard, PeerLimits
+from tierguard.common.peers import EdgeCollector, PeerGuard, PeerLimits, expect_json
 from tierguard.common.tokenpool import TokenizerPool
 from tierguard.engine.api import AsyncEngine
 from tierguard.gate import AdmissionController, AdmissionPolicy
@@ -91,18 +91,31 @@ def create_app(
     )
     app[STATE_KEY] = state
     app.on_cleanup.append(_close_pool)
-    app.router.add_post("/v1/completions", _with_state(generate.completions))
-    app.router.add_post("/v1/chat/completions", _with_state(generate.chat_completions))
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
-    app.router.add_get("/version", version)
-    app.router.add_post("/tokenize", tokenize)
-    app.router.add_post("/detokenize", detokenize)
-    app.router.add_get("/metrics", metrics_handler)
+    post, get = _routes(app)
+    post("/v1/completions", _with_state(generate.completions))
+    post("/v1/chat/completions", _with_state(generate.chat_completions))
+    get("/v1/models", models)
+    get("/health", health)
+    get("/version", version)
+    post("/tokenize", tokenize)
+    post("/detokenize", detokenize)
+    get("/metrics", metrics_handler)
     if manage_engine:
         app.on_startup.append(_start_engine)
         app.on_cleanup.append(_stop_engine)
     return app
+
+
+def _routes(app: web.Application):
+    """add_post/add_get with a JSON 417 for an unknown `Expect:` (see peers.expect_json)."""
+
+    def post(path: str, handler: Handler) -> None:
+        app.router.add_post(path, handler, expect_handler=expect_json)
+
+    def get(path: str, handler: Handler) -> None:
+        app.router.add_get(path, handler, expect_handler=expect_json)
+
+    return post, get
 
 
 def _with_state(fn: Callable[[web.Request, ServeState], Awaitable[web.StreamResponse]]) -> Handler:
