@@ -55,5 +55,6 @@ def test_fuzz_routes_200_cases(fuzz):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_fuzz_routes_5000_cases(fuzz):
     _run(fuzz, 5000, 1515)

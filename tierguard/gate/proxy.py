@@ -54,11 +54,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         if priority not in ("interactive", "batch"):
             return _done(state, rec, arrived, error_response(
                 400, f"{PRIORITY_HEADER} must be 'interactive' or 'batch'"), "bad_request")
-        try:
-            counted = await state.counter.count_for_admission(body, chat, _decision_limit(state))
-        except PoolBusy as exc:
-            return _done(state, rec, arrived, error_response(503, f"{exc}; retry shortly", etype="server_busy",
-                                                             retry_after_s=exc.retry_after_s), "tokenizer_busy")
+        counted = await state.counter.count_for_admission(body, chat, _decision_limit(state))
         n = rec.input_tokens = counted.tokens
         rec.token_count = counted.method
         state.metrics.child(state.metrics.token_counts, counted.method).inc()
@@ -94,6 +90,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
             return await _forward(state, request, route, body, rec, arrived, ticket)
         finally:
             state.controller.release(ticket)
+    except PoolBusy as exc:  # counting (or trimming) found the tokenizer queue full
+        return _done(state, rec, arrived, error_response(503, f"{exc}; retry shortly", etype="server_busy",
+                                                         retry_after_s=exc.retry_after_s), "tokenizer_busy")
     except BodyError as exc:  # raised by read_json: 400/408/413
         resp = error_response(exc.status, exc.message)
         if exc.status != 400:

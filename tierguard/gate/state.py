@@ -76,8 +76,11 @@ class GateState:
         log.info("token counting: %s", counter.source)
         max_model_len = s.max_model_len or await _upstream_max_model_len(session, s.upstream, headers)
         rule = counter.token_bytes if isinstance(counter, LocalTokenizer) else None
-        max_body = s.max_body_bytes or (rule.body_limit(max_model_len) if rule and max_model_len
-                                        else DEFAULT_MAX_BODY_BYTES)
+        derived = rule.body_limit(max_model_len) if rule and max_model_len else None
+        max_body = s.max_body_bytes or derived or DEFAULT_MAX_BODY_BYTES
+        if derived and max_body > derived:
+            log.warning("--max-body-bytes %d is above %d, the most a prompt that fits max_model_len %d can need: "
+                        "bigger bodies are read and parsed only to be refused", max_body, derived, max_model_len)
         log.info("max_model_len %s; body limit %d bytes; byte rule: %s", max_model_len or "unknown", max_body,
                  f"on (a token covers at most {rule.max_bytes} bytes)" if rule and rule.exact and max_model_len
                  else "off (needs --tokenizer of a byte-level tokenizer and a known max_model_len)")

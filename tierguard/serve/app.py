@@ -75,9 +75,13 @@ def create_app(
         metrics.registry.register(ControllerCollector(controller))
     guard = PeerGuard(limits)
     token_bytes = token_bytes_of(engine.tokenizer)
+    derived = (token_bytes or TokenBytes(UNKNOWN_TOKEN_BYTES, exact=False)).body_limit(engine.max_model_len)
     if max_body_bytes is None:
-        rule = token_bytes or TokenBytes(UNKNOWN_TOKEN_BYTES, exact=False)
-        max_body_bytes = rule.body_limit(engine.max_model_len)
+        max_body_bytes = derived
+    elif max_body_bytes > derived and token_bytes is not None:
+        log.warning("--max-body-bytes %d is above %d, the most a prompt that fits max_model_len %d can need: "
+                    "bigger bodies are read and parsed on the event loop only to be refused", max_body_bytes,
+                    derived, engine.max_model_len)
     pool = TokenizerPool(engine.tokenizer, workers=tokenizer_workers, max_pending=tokenizer_queue)
     state = ServeState(
         engine=engine, served_model_names=names, api_key=api_key or None, metrics=metrics, admission=controller,
