@@ -84,7 +84,7 @@ class Fuzz:
         from aiohttp import web
 
         from tierguard.common.peers import PeerLimits
-        from tierguard.gate.app import build_app
+        from tierguard.gate.app import GUARD, build_app
         from tierguard.gate.policy import AdmissionPolicy, GateSettings
         from tierguard.serve.app import STATE_KEY, create_app
 
@@ -100,7 +100,7 @@ class Fuzz:
             if name == "gate":
                 settings.upstream = f"http://127.0.0.1:{self.ports['serve']}"
             app = make()
-            runner = self._runners[0] if name == "serve" else app["guard"].runner(
+            runner = self._runners[0] if name == "serve" else app[GUARD].runner(
                 app, handler_cancellation=True, access_log=None)
             if name == "gate":
                 self._runners.append(runner)

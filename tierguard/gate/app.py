@@ -17,12 +17,13 @@ from aiohttp import web
 
 from tierguard.common.peers import PeerGuard, expect_json
 from tierguard.gate.forward import UpstreamError
-from tierguard.gate.http import TENANT, auth_middleware, error_response, json_errors_middleware
+from tierguard.gate.http import auth_middleware, error_response, json_errors_middleware, tenant
 from tierguard.gate.policy import GateSettings
 from tierguard.gate.proxy import completions
 from tierguard.gate.state import GateState, peer_limits
 
 log = logging.getLogger("tierguard.gate")
+GUARD = web.AppKey("tierguard_gate_guard", PeerGuard)  # slow peers and edge counters of this gate
 
 
 async def job_status(request: web.Request) -> web.Response:
@@ -30,7 +31,7 @@ async def job_status(request: web.Request) -> web.Response:
     (telling "exists, not yours" apart would confirm that a guessed id exists)."""
     state: GateState = request.app["gate"]
     job = await asyncio.to_thread(state.jobs.load, request.match_info["job_id"])  # file read + decrypt
-    if job is None or job.owner != request.get(TENANT):
+    if job is None or job.owner != tenant(request, state.settings.api_keys):
         return error_response(404, "no such async job")
     return web.json_response(job.public())
 
@@ -75,13 +76,13 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def build_app(settings: GateSettings) -> web.Application:
-    """The gate; serve it with `app["guard"].runner(app)` so the header deadline applies."""
+    """The gate; serve it with `app[GUARD].runner(app)` so the header deadline applies."""
     guard = PeerGuard(peer_limits(settings))
     # The size limit is enforced by read_json with a clear message; this is a backstop.
     # The guard's middleware goes first: it must see refused requests too (to stop their header timer).
     app = web.Application(middlewares=[guard.middleware(), json_errors_middleware(), auth_middleware(settings.api_keys)],
                           client_max_size=(settings.max_body_bytes or 64 * 1024**2) + 1024)
-    app["guard"] = guard
+    app[GUARD] = guard
 
     async def startup(app: web.Application) -> None:
         app["gate"] = await GateState.create(settings, guard)
@@ -105,7 +106,7 @@ async def serve(settings: GateSettings, on_ready: Callable[[int], None] | None =
     """Run until SIGINT/SIGTERM (or `stop` is set). Handlers are cancelled when a client
     disconnects, which is what frees its slot and closes its upstream request."""
     app = build_app(settings)
-    runner = app["guard"].runner(app, access_log=None, handler_cancellation=True)
+    runner = app[GUARD].runner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port, backlog=4096)
     await site.start()

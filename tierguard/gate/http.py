@@ -63,21 +63,24 @@ def json_errors_middleware():
     return json_errors
 
 
-TENANT = "tierguard_tenant"  # request key: owner_id() of the caller's API key, None without keys
+def _bearer(request: web.Request) -> str:
+    auth = request.headers.get("Authorization", "")
+    return auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+
+
+def tenant(request: web.Request, keys: list[str]) -> str | None:
+    """Who owns what this request creates: owner_id() of its API key (already checked by
+    auth_middleware), or None when the gate has no keys."""
+    return owner_id(_bearer(request)) if keys else None
 
 
 def auth_middleware(keys: list[str]):
-    """401 without a valid key; with one, the request carries its tenant (async job ownership)."""
+    """401 without a valid key on every path but /health and /metrics."""
 
     @web.middleware
     async def check(request: web.Request, handler):
-        request[TENANT] = None
-        if keys and request.path not in PUBLIC_PATHS:
-            auth = request.headers.get("Authorization", "")
-            token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-            if not key_matches(token, keys):
-                return error_response(401, "missing or invalid API key", etype="authentication_error")
-            request[TENANT] = owner_id(token)
+        if keys and request.path not in PUBLIC_PATHS and not key_matches(_bearer(request), keys):
+            return error_response(401, "missing or invalid API key", etype="authentication_error")
         return await handler(request)
 
     return check

@@ -17,7 +17,7 @@ from tierguard.common.peers import BodyError
 from tierguard.common.tokenpool import PoolBusy
 from tierguard.gate.admission import Downgrade, HandOff, Rejected, RequestInfo
 from tierguard.gate.forward import UpstreamError, relay
-from tierguard.gate.http import TENANT, error_response, read_json
+from tierguard.gate.http import error_response, read_json, tenant
 from tierguard.gate.reqlog import RequestRecord
 from tierguard.gate.state import GateState
 from tierguard.gate.tokens_fit import chat_bytes, text_bytes
@@ -160,7 +160,7 @@ def _hand_off(state: GateState, request: web.Request, route: str, body: dict, n:
               reason: str) -> web.Response:
     body.pop("stream", None)
     body.pop("stream_options", None)  # a job stores one whole answer
-    job = state.jobs.create(route, body, n, owner=request.get(TENANT))
+    job = state.jobs.create(route, body, n, owner=tenant(request, state.settings.api_keys))
     state.runner.submit(job)
     rec.job_id = job.id
     data = {**job.public(), "url": f"/v1/async/{job.id}", "reason": reason}
