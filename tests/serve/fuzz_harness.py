@@ -282,19 +282,21 @@ _headers = st.lists(st.tuples(st.sampled_from([
 
 
 @st.composite
-def http_case(draw) -> tuple[str, bytes, bool]:
-    """(target, raw request bytes, whether the bytes may be invalid HTTP)."""
+def http_case(draw) -> tuple[str, bytes, bool, bool]:
+    """(target, raw request bytes, whether the bytes may be invalid HTTP, whether to end our
+    side after them: noise may never form a whole request, and the server would otherwise
+    wait for its header deadline)."""
     target = draw(st.sampled_from(["serve", "gate"]))
     kind = draw(st.sampled_from(["valid", "valid", "valid", "near_valid", "near_valid", "json", "noise_body",
                                  "job_get", "byte_noise"]))
     if kind == "byte_noise":
         prefix = draw(st.sampled_from([b"", b"POST /v1/completions HTTP/1.1\r\n", b"GET / HTTP/1.1\r\nHost: x\r\n"]))
-        return target, prefix + draw(st.binary(max_size=600)), True
+        return target, prefix + draw(st.binary(max_size=600)), True, True
     routes = SERVE_ROUTES if target == "serve" else GATE_ROUTES
     path, method = draw(st.sampled_from(routes)), "POST"
     if kind == "job_get" and target == "gate":  # serve has no job routes
         method, path = "GET", "/v1/async/" + draw(st.sampled_from(["job-" + "0" * 32, "job-..%2F..%2Fetc"])
-                                                  | st.text(_ID_CHARS, max_size=40))
+                                                  | st.text(_ID_CHARS, min_size=1, max_size=40))
     if kind == "valid":
         body = json.dumps(draw(_valid("chat" in path or (path == "/tokenize" and draw(st.booleans()))))).encode()
     elif kind == "near_valid":
@@ -315,4 +317,4 @@ def http_case(draw) -> tuple[str, bytes, bool]:
     declared = max(0, len(body) - draw(st.sampled_from([0, 0, 0, 1, 5])))  # sometimes shorter than sent
     lines.append(f"Content-Length: {declared}")
     raw = ("\r\n".join(lines) + "\r\n\r\n").encode() + body
-    return target, raw, declared != len(body)
+    return target, raw, declared != len(body), False
