@@ -132,3 +132,25 @@ def test_slow_headers_slow_readers_and_the_byte_rule(tmp_path):
     assert refused[0] == 400 and "refused before tokenizing" in refused[1]
     assert _metric(final, "tierguard_gate_byte_rule_refusals_total") == 1
     assert too_large == 413 and _metric(final, "tierguard_gate_http_body_too_large_total") == 1
+
+
+def test_bad_hardening_options_are_one_line_and_exit_2(tmp_path):
+    import subprocess
+    import sys
+
+    loose = tmp_path / "loose.key"
+    loose.write_bytes(os.urandom(32))
+    os.chmod(loose, 0o644)
+    cases = [
+        (["gate", "--upstream", "http://127.0.0.1:9", "--encrypt-key-file", str(loose)], "chmod 600"),
+        (["gate", "--upstream", "http://127.0.0.1:9", "--encrypt-old-key-file", str(loose)], "needs --encrypt-key-file"),
+        (["gate", "--upstream", "http://127.0.0.1:9", "--job-ttl-s", "0"], "job_ttl_s must be a positive"),
+        (["serve", "--slow-reader-bytes", "10"], "slow_reader_bytes must be"),
+        (["serve", "--header-timeout-s", "0"], "header_timeout_s must be"),
+    ]
+    for argv, expected in cases:
+        p = subprocess.run([sys.executable, "-m", "tierguard", *argv, "--port", "0"], capture_output=True, text=True,
+                           timeout=60, env={**os.environ, "HOME": str(tmp_path)})
+        lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+        assert p.returncode == 2 and len(lines) == 1 and expected in lines[0], (argv, p.stderr)
+        assert "Traceback" not in p.stderr

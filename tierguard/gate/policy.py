@@ -104,6 +104,14 @@ class GateSettings:
                 _positive_int(getattr(self, name), name)
         if self.encrypt_old_key_file is not None and self.encrypt_key_file is None:
             raise TierguardError("--encrypt-old-key-file needs --encrypt-key-file (the key new files are sealed with)")
+        from tierguard.common.crypto import Key
+        from tierguard.common.peers import PeerLimits
+
+        for path in (self.encrypt_key_file, self.encrypt_old_key_file):
+            if path is not None:
+                Key.from_file(path)  # unreadable, loose or malformed: refused now, before anything starts
+        PeerLimits(header_timeout_s=self.header_timeout_s, body_timeout_s=self.body_timeout_s,
+                   slow_reader_bytes=self.slow_reader_bytes).validate()
         if self.jobs_dir is None:
             self.jobs_dir = str(state_dir() / "jobs")
         if self.tokenizer is not None and not (Path(self.tokenizer) / "tokenizer.json").is_file():
