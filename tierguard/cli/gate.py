@@ -34,15 +34,35 @@ _POLICY_FLAGS = {
     "overflow": (str, "when a class queue is full: reject (429), downgrade (trim old chat turns), async (202)"),
     "max-input-tokens": (_arg(parse_tokens, "--max-input-tokens"), "hard input cap; chat over it is trimmed, else 400"),
 }
+# Slow peers and bounded work per request, shared with `tierguard serve` (docs/hardening.md).
+_PEER_FLAGS = {
+    "header-timeout-s": (float, "a client must complete its request headers within this; then 408 and the "
+                                "connection is closed (default 10)"),
+    "body-timeout-s": (float, "a client must send its whole body within this; then 408 (default 10)"),
+    "slow-reader-bytes": (_arg(parse_bytes, "--slow-reader-bytes"),
+                          "a stream whose client leaves more than this much output unread is ended and its "
+                          "slot freed (default 1MiB)"),
+    "max-body-bytes": (_arg(parse_bytes, "--max-body-bytes"),
+                       "request body limit, e.g. 8MiB (413 above; default: what the longest prompt that fits "
+                       "max_model_len can need, see docs/hardening.md)"),
+    "tokenizer-workers": (int, "tokenizer worker processes, off the event loop (default 2)"),
+    "tokenizer-queue": (int, "tokenizer jobs waiting or running at most; more get 503 + Retry-After (default 32)"),
+}
 _GATE_FLAGS = {
-    "jobs-dir": (str, "directory of async jobs (default .tierguard/jobs)"),
+    "jobs-dir": (str, "directory of async jobs (default $XDG_STATE_HOME/tierguard/jobs, "
+                      "i.e. ~/.local/state/tierguard/jobs; created with mode 0700)"),
+    "job-ttl-s": (float, "finished async jobs (prompts and answers) are deleted this long after they "
+                         "finish (default 86400)"),
+    "encrypt-key-file": (str, "AES-256-GCM key file (32 bytes: raw, hex or base64; mode 0600) that encrypts "
+                              "async job files; the same kind of file as serve's --kv-encrypt-key-file"),
+    "encrypt-old-key-file": (str, "a previous key, for reading jobs written before a key rotation"),
+    "max-model-len": (int, "the upstream's context limit (default: from its /v1/models); with --tokenizer "
+                           "it refuses prompts that cannot fit before counting them"),
     "async-workers": (int, "async jobs running at once at most (default 4)"),
     "connect-timeout-s": (float, "upstream connect timeout (default 3)"),
     "first-byte-timeout-s": (float, "upstream time to first byte (default 60)"),
     "read-timeout-s": (float, "longest upstream silence mid-stream (default 60)"),
     "total-timeout-s": (float, "whole upstream request (default 600)"),
-    "body-timeout-s": (float, "a client must send its body within this (default 10)"),
-    "max-body-bytes": (_arg(parse_bytes, "--max-body-bytes"), "request body limit, e.g. 8MiB (413 above)"),
     "upstream-pool": (int, "connections kept to the upstream (default 1024)"),
 }
 
@@ -68,6 +88,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_policy_flags(p, ("reject", "downgrade", "async"))
     for flag, (kind, text) in _GATE_FLAGS.items():
         p.add_argument("--" + flag, type=kind, help=text)
+    add_peer_flags(p)
     p.add_argument("--verbose", "-v", action="store_true", help="log every decision")
     return p
 
@@ -78,6 +99,13 @@ def add_policy_flags(p: argparse.ArgumentParser, overflow_choices: tuple[str, ..
     for flag, (kind, text) in _POLICY_FLAGS.items():
         choices = overflow_choices if flag == "overflow" else None
         group.add_argument("--" + flag, type=kind, help=text, choices=choices)
+
+
+def add_peer_flags(p: argparse.ArgumentParser) -> None:
+    """Slow-peer and body/tokenizer limits, shared by `tierguard gate` and `tierguard serve`."""
+    group = p.add_argument_group("slow peers and bounded work per request")
+    for flag, (kind, text) in _PEER_FLAGS.items():
+        group.add_argument("--" + flag, type=kind, help=text)
 
 
 def _normalize_sizes(options: dict) -> None:
@@ -112,10 +140,12 @@ def resolve_options(args: argparse.Namespace) -> dict:
             raise TierguardError(f"config file holds {key}; keep secrets out of config files "
                                  f"(use --api-key-file or TIERGUARD_{key.upper()})")
     _normalize_sizes(options)
-    if isinstance(options.get("max_body_bytes"), str):
-        options["max_body_bytes"] = parse_bytes(options["max_body_bytes"], "max_body_bytes")
+    for key in ("max_body_bytes", "slow_reader_bytes"):
+        if isinstance(options.get(key), str):
+            options[key] = parse_bytes(options[key], key)
     for name in ("upstream", "host", "port", "tokenizer", "api_key", "api_key_file", "upstream_api_key", "log",
-                 "log_prompts", "exact_token_count", *(f.replace("-", "_") for f in {**_POLICY_FLAGS, **_GATE_FLAGS})):
+                 "log_prompts", "exact_token_count",
+                 *(f.replace("-", "_") for f in {**_POLICY_FLAGS, **_GATE_FLAGS, **_PEER_FLAGS})):
         value = getattr(args, name, None)
         if value is not None:
             options[name] = value

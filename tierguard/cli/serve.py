@@ -14,7 +14,7 @@ import signal
 import sys
 from pathlib import Path
 
-from tierguard.cli.gate import add_policy_flags, policy_from_args
+from tierguard.cli.gate import add_peer_flags, add_policy_flags, policy_from_args
 from tierguard.common.errors import TierguardError
 from tierguard.serve.tier_flags import add_tier_flags, tier_kwargs
 
@@ -74,6 +74,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "this or any admission flag is given",
     )
     add_policy_flags(p, ("reject", "downgrade"))
+    add_peer_flags(p)  # header/body timeouts, slow readers, body limit, tokenizer pool
     return p
 
 
@@ -86,12 +87,24 @@ def _validate(args: argparse.Namespace) -> None:
             raise TierguardError(f"--{flag.replace('_', '-')} must be positive, got {value}")
     if args.kv_cache_gib is not None and args.kv_cache_gib <= 0:
         raise TierguardError(f"--kv-cache-gib must be positive, got {args.kv_cache_gib}")
+    for flag in ("tokenizer_workers", "tokenizer_queue", "max_body_bytes"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise TierguardError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    args.limits = _peer_limits(args)  # refused here, before the model loads
     if args.weights_offload_gib < 0:
         raise TierguardError(f"--weights-offload-gib must be >= 0, got {args.weights_offload_gib}")
     if args.model != "tiny" and not Path(args.model).is_dir():
         raise TierguardError(
             f"--model {args.model!r} is not a directory (use a local HF model dir or 'tiny')"
         )
+
+
+def _peer_limits(args: argparse.Namespace):
+    from tierguard.common.peers import PeerLimits
+
+    given = {k: getattr(args, k) for k in ("header_timeout_s", "body_timeout_s", "slow_reader_bytes")}
+    return PeerLimits(**{k: v for k, v in given.items() if v is not None}).validate()
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -137,12 +150,19 @@ def run(args: argparse.Namespace) -> int:
 async def _serve(engine, args: argparse.Namespace, model_name: str) -> int:
     from aiohttp import web
 
-    from tierguard.serve.app import create_app
+    from tierguard.serve.app import STATE_KEY, create_app
 
-    app = create_app(engine, api_key=args.api_key, served_model_name=model_name, admission=args.admission)
+    app = create_app(
+        engine, api_key=args.api_key, served_model_name=model_name, admission=args.admission, limits=args.limits,
+        max_body_bytes=args.max_body_bytes, tokenizer_workers=args.tokenizer_workers or 2,
+        tokenizer_queue=args.tokenizer_queue or 32,
+    )
+    state = app[STATE_KEY]
+    await state.pool.warm()  # worker processes up before the first long prompt arrives
     # handler_cancellation: a client that hangs up cancels its handler, whose `finally`
     # aborts the engine request, so even non-streaming requests free their blocks.
-    runner = web.AppRunner(
+    # The guard's runner adds the header deadline to every connection.
+    runner = state.guard.runner(
         app,
         handle_signals=False,
         handler_cancellation=True,
@@ -165,6 +185,12 @@ async def _serve(engine, args: argparse.Namespace, model_name: str) -> int:
             f"{READY_PREFIX}http://{args.host}:{port} (model {model_name}, "
             f"max_model_len {engine.max_model_len}, kv blocks {engine.stats().kv_blocks_total})",
             flush=True,
+        )
+        rule = state.token_bytes
+        logging.getLogger("tierguard.serve").info(
+            "body limit %d bytes; byte rule %s; header/body timeouts %g/%g s; slow reader at %d bytes",
+            state.max_body_bytes, f"on (a token covers at most {rule.max_bytes} bytes)" if rule and rule.exact
+            else "off", args.limits.header_timeout_s, args.limits.body_timeout_s, args.limits.slow_reader_bytes,
         )
         await stop.wait()
         print("tierguard serve: shutting down", file=sys.stderr, flush=True)

@@ -24,9 +24,11 @@ Embedding API (framework-free asyncio, see `admission.py` for the full contract)
 reason; `metrics.GateMetrics(controller)` exposes them to Prometheus.
 
 Layout: policy (options + validation), admission (slots and queues), tokens (input
-counting) + tokens_bound (the byte bound that skips most counts), trim (context downgrade), jobs + runner (async path on disk), forward
-(upstream streaming), http (errors, body limits, keys), proxy (handlers), reqlog
-(JSONL), metrics, state + app (the running gate).
+counting) + tokens_bound (the byte bound that skips most counts) + tokens_fit (the byte
+rule that refuses what cannot fit, before counting), trim (context downgrade), jobs +
+runner (async path on disk: owned by a key, sealed, expired), forward (upstream
+streaming), http (errors, body limits, keys, tenants), proxy (handlers), reqlog (JSONL),
+metrics, state + app (the running gate). Slow peers: tierguard/common/peers.py.
 """
 
 from tierguard.gate.admission import (

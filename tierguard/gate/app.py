@@ -15,20 +15,24 @@ from collections.abc import Callable
 import aiohttp
 from aiohttp import web
 
+from tierguard.common.peers import PeerGuard, expect_json
 from tierguard.gate.forward import UpstreamError
-from tierguard.gate.http import auth_middleware, error_response
+from tierguard.gate.http import auth_middleware, error_response, json_errors_middleware, tenant
 from tierguard.gate.policy import GateSettings
 from tierguard.gate.proxy import completions
 from tierguard.gate.reqlog import RequestRecord
-from tierguard.gate.state import GateState
+from tierguard.gate.state import GateState, peer_limits
 
 log = logging.getLogger("tierguard.gate")
+GUARD = web.AppKey("tierguard_gate_guard", PeerGuard)  # slow peers and edge counters of this gate
 
 
 async def job_status(request: web.Request) -> web.Response:
+    """A job, to the key that created it only: any other key gets the same 404 as an unknown id
+    (telling "exists, not yours" apart would confirm that a guessed id exists)."""
     state: GateState = request.app["gate"]
-    job = state.jobs.load(request.match_info["job_id"])
-    if job is None:
+    job = await asyncio.to_thread(state.jobs.load, request.match_info["job_id"])  # file read + decrypt
+    if job is None or job.owner != tenant(request, state.settings.api_keys):
         return error_response(404, "no such async job")
     return web.json_response(job.public())
 
@@ -80,24 +84,29 @@ def _refused(request: web.Request) -> None:
 
 
 def build_app(settings: GateSettings) -> web.Application:
+    """The gate; serve it with `app[GUARD].runner(app)` so the header deadline applies."""
+    guard = PeerGuard(peer_limits(settings))
     # The size limit is enforced by read_json with a clear message; this is a backstop.
-    app = web.Application(middlewares=[auth_middleware(settings.api_keys, _refused)],
-                          client_max_size=settings.max_body_bytes + 1024)
+    # The guard's middleware goes first: it must see refused requests too (to stop their header timer).
+    middlewares = [guard.middleware(), json_errors_middleware(), auth_middleware(settings.api_keys, _refused)]
+    app = web.Application(middlewares=middlewares,
+                          client_max_size=(settings.max_body_bytes or 64 * 1024**2) + 1024)
+    app[GUARD] = guard
 
     async def startup(app: web.Application) -> None:
-        app["gate"] = await GateState.create(settings)
+        app["gate"] = await GateState.create(settings, guard)
 
     async def cleanup(app: web.Application) -> None:
         await app["gate"].close()
 
     app.on_startup.append(startup)
     app.on_cleanup.append(cleanup)
+    # expect_json: an unknown `Expect:` gets a JSON 417 too (aiohttp answers it before any middleware)
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/async/completions", "/v1/async/chat/completions"):
-        app.router.add_post(path, completions)
-    app.router.add_get("/v1/async/{job_id}", job_status)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
+        app.router.add_post(path, completions, expect_handler=expect_json)
+    for path, handler in (("/v1/async/{job_id}", job_status), ("/v1/models", models), ("/health", health),
+                          ("/metrics", metrics)):
+        app.router.add_get(path, handler, expect_handler=expect_json)
     return app
 
 
@@ -105,7 +114,8 @@ async def serve(settings: GateSettings, on_ready: Callable[[int], None] | None =
                 stop: asyncio.Event | None = None) -> None:
     """Run until SIGINT/SIGTERM (or `stop` is set). Handlers are cancelled when a client
     disconnects, which is what frees its slot and closes its upstream request."""
-    runner = web.AppRunner(build_app(settings), access_log=None, handler_cancellation=True)
+    app = build_app(settings)
+    runner = app[GUARD].runner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port, backlog=4096)
     await site.start()

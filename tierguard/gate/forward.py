@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
+from tierguard.common.peers import PeerGuard, SlowReader
+
 _USAGE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _PROMPT_USAGE = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _DONE = b"data: [DONE]\n\n"
@@ -46,6 +48,7 @@ class ForwardResult:
     first_chunk_at: float | None = None  # time.monotonic() of the first byte sent to the client
     ended_at: float = 0.0
     client_left: bool = False
+    slow_reader: bool = False  # the client left too much output unread; its stream was ended
     response: web.StreamResponse | None = None
 
 
@@ -85,10 +88,12 @@ class Upstream:
 
 
 async def relay(request: web.Request, upstream: aiohttp.ClientResponse, extra_headers: dict[str, str],
-                first_byte_timeout_s: float, on_chunk_gap=None) -> ForwardResult:
+                first_byte_timeout_s: float, on_chunk_gap=None, guard: PeerGuard | None = None) -> ForwardResult:
     """Copy the upstream response to the client; returns what the gate observed.
 
-    `on_chunk_gap(seconds)` is called for every inter-chunk gap (ITL histogram).
+    `on_chunk_gap(seconds)` is called for every inter-chunk gap (ITL histogram). With a
+    `guard`, a client that leaves more than its slow-reader mark unread has its stream
+    ended (`SlowReader`): the upstream request is closed and the slot freed.
     """
     result = ForwardResult(status=upstream.status)
     ctype = upstream.headers.get("Content-Type", "application/json")
@@ -108,10 +113,12 @@ async def relay(request: web.Request, upstream: aiohttp.ClientResponse, extra_he
         async with asyncio.timeout(first_byte_timeout_s):
             first = await content.readany()
         await resp.prepare(request)  # headers leave with the first chunk
+        backlog = guard.backlog(request) if guard is not None else None
         # The hot loop: per chunk one read of everything the upstream has sent, one write,
         # one clock read, one substring count; usage is parsed only in chunks that carry it.
         events, usage = 0, None
-        write, readany, monotonic = resp.write, content.readany, time.monotonic
+        readany, monotonic = content.readany, time.monotonic
+        write = resp.write if backlog is None else _checked(resp.write, backlog.check)
         chunk, last, tail = first, 0.0, b""
         if chunk:
             await write(chunk)
@@ -146,8 +153,9 @@ async def relay(request: web.Request, upstream: aiohttp.ClientResponse, extra_he
     except TimeoutError:
         result.status = 504
         await _end_stream(result, "upstream stopped sending (timeout)")
-    except ConnectionResetError:  # aiohttp's write to a gone client raises a subclass of it
+    except ConnectionResetError as exc:  # aiohttp's write to a gone client raises a subclass of it
         result.client_left = True
+        result.slow_reader = isinstance(exc, SlowReader)
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
         result.status = 502
         await _end_stream(result, f"upstream stream broke: {type(exc).__name__}")
@@ -158,6 +166,16 @@ async def relay(request: web.Request, upstream: aiohttp.ClientResponse, extra_he
             upstream.release()
         result.ended_at = time.monotonic()
     return result
+
+
+def _checked(write, check):
+    """`write`, after the slow-reader check (which raises SlowReader, a ConnectionResetError)."""
+
+    async def checked_write(data: bytes) -> None:
+        check()
+        await write(data)
+
+    return checked_write
 
 
 def _usage(raw: bytes) -> tuple[int | None, int | None]:

@@ -1,4 +1,4 @@
-"""HTTP edges of the gate: OpenAI-style errors, bounded body reads, API-key checks.
+"""HTTP edges of the gate: OpenAI-style errors, bounded body reads, API-key checks, tenants.
 
 OpenAI clients read `{"error": {"message", "type", "param", "code"}}` and honour
 `Retry-After` on 429, so every refusal goes through `error_response`.
@@ -6,12 +6,14 @@ OpenAI clients read `{"error": {"message", "type", "param", "code"}}` and honour
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 from collections.abc import Callable
 
 from aiohttp import web
+
+from tierguard.common.peers import BodyError, PeerGuard
+from tierguard.gate.jobs import owner_id
 
 PUBLIC_PATHS = ("/health", "/metrics")
 
@@ -23,33 +25,18 @@ def error_response(status: int, message: str, etype: str = "invalid_request_erro
     return web.json_response(body, status=status, headers=headers)
 
 
-async def read_json(request: web.Request, max_bytes: int, timeout_s: float) -> dict:
-    """Read and parse the body within a size limit and a deadline.
+async def read_json(request: web.Request, guard: PeerGuard, max_bytes: int) -> dict:
+    """Read and parse the body within a size limit and the guard's deadline.
 
-    Raises HTTPRequestEntityTooLarge (413), HTTPRequestTimeout (408) or HTTPBadRequest
-    (400); the caller turns them into OpenAI-style errors.
+    Raises BodyError: 413 (too large), 408 (too slow) or 400 (not a JSON object).
     """
-    if request.content_length is not None and request.content_length > max_bytes:
-        raise web.HTTPRequestEntityTooLarge(max_size=max_bytes, actual_size=request.content_length,
-                                            text=f"request body over the limit of {max_bytes} bytes")
-    try:
-        async with asyncio.timeout(timeout_s):
-            parts, size = [], 0
-            while chunk := await request.content.read(1 << 16):  # b"" at end of body
-                size += len(chunk)
-                if size > max_bytes:
-                    raise web.HTTPRequestEntityTooLarge(max_size=max_bytes, actual_size=size,
-                                                        text=f"request body over the limit of {max_bytes} bytes")
-                parts.append(chunk)
-            raw = b"".join(parts)
-    except TimeoutError:
-        raise web.HTTPRequestTimeout(text=f"request body not received within {timeout_s:g} s") from None
+    raw = await guard.read_body(request, max_bytes)
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
-        raise web.HTTPBadRequest(text="malformed JSON body") from None
+        raise BodyError(400, "malformed JSON body") from None
     if not isinstance(body, dict):
-        raise web.HTTPBadRequest(text="the body must be a JSON object")
+        raise BodyError(400, "the body must be a JSON object")
     return body
 
 
@@ -61,18 +48,43 @@ def key_matches(presented: str, keys: list[str]) -> bool:
     return ok
 
 
+def json_errors_middleware():
+    """aiohttp's own refusals (no such route, wrong method) in the same JSON shape as ours."""
+
+    @web.middleware
+    async def json_errors(request: web.Request, handler):
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            msg = "no such route" if exc.status == 404 else exc.reason
+            return error_response(exc.status, f"{request.method} {request.path}: {msg}")
+
+    return json_errors
+
+
+def _bearer(request: web.Request) -> str:
+    auth = request.headers.get("Authorization", "")
+    return auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+
+
+def tenant(request: web.Request, keys: list[str]) -> str | None:
+    """Who owns what this request creates: owner_id() of its API key (already checked by
+    auth_middleware), or None when the gate has no keys."""
+    return owner_id(_bearer(request)) if keys else None
+
+
 def auth_middleware(keys: list[str], on_refused: Callable[[web.Request], None] | None = None):
-    """401 without a valid key; `on_refused(request)` records the refusal (request log)."""
+    """401 without a valid key on every path but /health and /metrics; `on_refused(request)`
+    records the refusal (request log)."""
 
     @web.middleware
     async def check(request: web.Request, handler):
-        if keys and request.path not in PUBLIC_PATHS:
-            auth = request.headers.get("Authorization", "")
-            token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-            if not key_matches(token, keys):
-                if on_refused is not None:
-                    on_refused(request)
-                return error_response(401, "missing or invalid API key", etype="authentication_error")
+        if keys and request.path not in PUBLIC_PATHS and not key_matches(_bearer(request), keys):
+            if on_refused is not None:
+                on_refused(request)
+            return error_response(401, "missing or invalid API key", etype="authentication_error")
         return await handler(request)
 
     return check

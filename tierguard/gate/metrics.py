@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.metrics import MetricWrapperBase
 
 from tierguard.common.histogram import LatencyHistogram
+from tierguard.common.peers import EdgeCollector
 from tierguard.gate.admission import AdmissionController
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -37,6 +38,19 @@ class ControllerCollector:
         for (decision, reason), n in sorted(s.decisions.items()):
             d.add_metric([decision, reason], n)
         return [q, f, d]
+
+
+class _JobsCollector:
+    def __init__(self, jobs) -> None:
+        self.jobs = jobs
+
+    def collect(self):
+        e = CounterMetricFamily("tierguard_gate_jobs_expired", "Finished async jobs deleted after --job-ttl-s")
+        e.add_metric([], self.jobs.expired)
+        u = CounterMetricFamily("tierguard_gate_jobs_undecryptable",
+                                "Async job reads refused: no configured key opens the file")
+        u.add_metric([], self.jobs.undecryptable)
+        return [e, u]
 
 
 class ChunkHistogram:
@@ -79,6 +93,12 @@ class GateMetrics:
                                     "(exact, estimate, byte_bound = skipped: surely short)", ["method"], registry=r)
         self.upstream_errors = Counter("tierguard_gate_upstream_errors", "Upstream failures by kind",
                                        ["kind"], registry=r)
+
+    def add_edge(self, guard, pool, jobs) -> None:
+        """Slow peers, body limits, the byte rule and the tokenizer pool (`common/peers.py`),
+        plus async-job housekeeping: expired results deleted, files no key opens."""
+        self.registry.register(EdgeCollector("tierguard_gate_", guard, pool))
+        self.registry.register(_JobsCollector(jobs))
 
     def child(self, metric: MetricWrapperBase, label: str) -> MetricWrapperBase:
         """The labelled child of `metric`, from a plain dict (prometheus' .labels() takes a lock

@@ -8,6 +8,7 @@ with a message naming the option, never discovered under load.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -63,14 +64,22 @@ class GateSettings:
     upstream_api_key: str | None = field(default=None, repr=False)
     log: str | None = None  # JSONL request log
     log_prompts: bool = False  # prompt text stays out of the log unless asked for
-    jobs_dir: str = ".tierguard/jobs"
+    jobs_dir: str | None = None  # None: state_dir()/jobs
+    job_ttl_s: float = 86400.0  # finished jobs (prompts, answers) are deleted this long after they finish
+    encrypt_key_file: str | None = None  # AES-256-GCM key for job files (common/crypto.py)
+    encrypt_old_key_file: str | None = None  # a previous key: read-only, for a rotation
     async_workers: int = 4
     connect_timeout_s: float = 3.0
     first_byte_timeout_s: float = 60.0
     read_timeout_s: float = 60.0  # longest silence from the upstream mid-stream
     total_timeout_s: float = 600.0
     body_timeout_s: float = 10.0  # a client must send its whole body within this
-    max_body_bytes: int = 8 * 1024 * 1024
+    header_timeout_s: float = 10.0  # ... and its request headers within this
+    slow_reader_bytes: int = 1024 * 1024  # unread output that ends a stream (its slot is freed)
+    max_body_bytes: int | None = None  # None: from max_model_len and the tokenizer, else 8 MiB
+    max_model_len: int | None = None  # None: the upstream's /v1/models says, if it does
+    tokenizer_workers: int = 2  # processes counting tokens off the event loop (--tokenizer)
+    tokenizer_queue: int = 32  # counts waiting or running at most; more get 503
     upstream_pool: int = 1024  # connections kept to the upstream
     exact_token_count: bool = False  # count every request with the tokenizer (no byte bound)
     policy: AdmissionPolicy = field(default_factory=AdmissionPolicy)
@@ -84,12 +93,27 @@ class GateSettings:
         if not (0 <= int(self.port) <= 65535):
             raise TierguardError(f"port must be in 0..65535, got {self.port}")
         for name in ("connect_timeout_s", "first_byte_timeout_s", "read_timeout_s", "total_timeout_s",
-                     "body_timeout_s"):
+                     "body_timeout_s", "header_timeout_s", "job_ttl_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
                 raise TierguardError(f"{name} must be a positive number of seconds, got {value!r}")
-        for name in ("max_body_bytes", "async_workers", "upstream_pool"):
+        for name in ("async_workers", "upstream_pool", "tokenizer_workers", "tokenizer_queue", "slow_reader_bytes"):
             _positive_int(getattr(self, name), name)
+        for name in ("max_body_bytes", "max_model_len"):
+            if getattr(self, name) is not None:
+                _positive_int(getattr(self, name), name)
+        if self.encrypt_old_key_file is not None and self.encrypt_key_file is None:
+            raise TierguardError("--encrypt-old-key-file needs --encrypt-key-file (the key new files are sealed with)")
+        from tierguard.common.crypto import Key
+        from tierguard.common.peers import PeerLimits
+
+        for path in (self.encrypt_key_file, self.encrypt_old_key_file):
+            if path is not None:
+                Key.from_file(path)  # unreadable, loose or malformed: refused now, before anything starts
+        PeerLimits(header_timeout_s=self.header_timeout_s, body_timeout_s=self.body_timeout_s,
+                   slow_reader_bytes=self.slow_reader_bytes).validate()
+        if self.jobs_dir is None:
+            self.jobs_dir = str(state_dir() / "jobs")
         if self.tokenizer is not None and not (Path(self.tokenizer) / "tokenizer.json").is_file():
             raise TierguardError(f"--tokenizer {self.tokenizer!r}: no tokenizer.json in that directory")
         if not isinstance(self.exact_token_count, bool):
@@ -98,6 +122,13 @@ class GateSettings:
             raise TierguardError("an API key is empty")
         self.policy.validate()
         return self
+
+
+def state_dir() -> Path:
+    """$XDG_STATE_HOME/tierguard, or ~/.local/state/tierguard (the XDG default)."""
+    base = os.environ.get("XDG_STATE_HOME") or ""
+    root = Path(base) if Path(base).is_absolute() else Path.home() / ".local" / "state"
+    return root / "tierguard"
 
 
 def _positive_int(value: object, name: str) -> None:

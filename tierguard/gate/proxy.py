@@ -13,11 +13,14 @@ import time
 
 from aiohttp import web
 
+from tierguard.common.peers import BodyError
+from tierguard.common.tokenpool import PoolBusy
 from tierguard.gate.admission import Downgrade, HandOff, Rejected, RequestInfo
 from tierguard.gate.forward import UpstreamError, relay
-from tierguard.gate.http import error_response, read_json
+from tierguard.gate.http import error_response, read_json, tenant
 from tierguard.gate.reqlog import RequestRecord
 from tierguard.gate.state import GateState
+from tierguard.gate.tokens_fit import chat_bytes, text_bytes
 from tierguard.gate.trim import can_trim, trim_messages
 
 PRIORITY_HEADER = "X-Tierguard-Priority"
@@ -34,11 +37,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
     chat = route.endswith("/chat/completions")
     rec = RequestRecord(route=route)
     try:
-        body = await read_json(request, state.settings.max_body_bytes, state.settings.body_timeout_s)
+        body = await read_json(request, state.guard, state.max_body_bytes)
         if chat and not (isinstance(body.get("messages"), list) and body["messages"]):
             return _done(state, rec, arrived, error_response(400, "'messages' must be a non-empty list"), "bad_request")
         if not chat and "prompt" not in body:
             return _done(state, rec, arrived, error_response(400, "'prompt' is required"), "bad_request")
+        refusal = _cannot_fit(state, body, chat)
+        if refusal is not None:
+            return _done(state, rec, arrived, error_response(400, refusal), "cannot_fit")
         as_async = as_async or bool(body.pop(ASYNC_FLAG, False)) or request.headers.get(ASYNC_HEADER) == "1"
         rec.model = str(body.get("model")) if body.get("model") is not None else None
         rec.stream = bool(body.get("stream"))
@@ -53,7 +59,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         rec.token_count = counted.method
         state.metrics.child(state.metrics.token_counts, counted.method).inc()
         if as_async:
-            return _done(state, rec, arrived, _hand_off(state, route, body, n, rec, "requested"), "requested", "async")
+            return _done(state, rec, arrived, _hand_off(state, request, route, body, n, rec, "requested"), "requested", "async")
         info = RequestInfo(input_tokens=n, priority=priority, can_downgrade=chat and can_trim(body.get("messages")))
         rec.klass = state.controller.classify(info)
         ticket = None
@@ -73,7 +79,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                 rec.input_tokens = trimmed.tokens
                 rec.klass = state.controller.classify(info)
             except HandOff as h:
-                return _done(state, rec, arrived, _hand_off(state, route, body, n, rec, h.reason), h.reason, "async")
+                return _done(state, rec, arrived, _hand_off(state, request, route, body, n, rec, h.reason), h.reason, "async")
             except Rejected as r:
                 return _done(state, rec, arrived, error_response(
                     r.status, r.message, etype="rate_limit_exceeded" if r.status == 429 else "invalid_request_error",
@@ -84,8 +90,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
             return await _forward(state, request, route, body, rec, arrived, ticket)
         finally:
             state.controller.release(ticket)
-    except web.HTTPException as exc:  # body errors raised by read_json: 400/408/413
-        return _done(state, rec, arrived, error_response(exc.status, exc.text or exc.reason), "bad_request")
+    except PoolBusy as exc:  # counting (or trimming) found the tokenizer queue full
+        return _done(state, rec, arrived, error_response(503, f"{exc}; retry shortly", etype="server_busy",
+                                                         retry_after_s=exc.retry_after_s), "tokenizer_busy")
+    except BodyError as exc:  # raised by read_json: 400/408/413
+        resp = error_response(exc.status, exc.message)
+        if exc.status != 400:
+            resp.force_close()  # the rest of the body was not read: the connection cannot be reused
+        return _done(state, rec, arrived, resp, {408: "body_timeout", 413: "too_large"}.get(exc.status, "bad_request"))
     except asyncio.CancelledError:
         rec.status, rec.reason = 499, rec.reason or "client_disconnected"
         _log(state, rec, arrived)
@@ -100,7 +112,7 @@ async def _forward(state: GateState, request: web.Request, route: str, body: dic
     try:
         upstream = await state.upstream.post(route, json.dumps(body).encode())
         result = await relay(request, upstream, headers, state.settings.first_byte_timeout_s,
-                             on_chunk_gap=state.metrics.itl.observe)
+                             on_chunk_gap=state.metrics.itl.observe, guard=state.guard)
     except UpstreamError as exc:
         state.metrics.upstream_errors.labels(exc.kind).inc()
         state.upstream_failures += 1
@@ -118,7 +130,7 @@ async def _forward(state: GateState, request: web.Request, route: str, body: dic
         rec.ttft_ms = round((result.first_chunk_at - arrived) * 1000, 3)
         state.metrics.child(state.metrics.ttft, ticket.klass).observe(result.first_chunk_at - arrived)
     if result.client_left:
-        rec.status, rec.reason = 499, "client_disconnected"
+        rec.status, rec.reason = 499, "slow_reader" if result.slow_reader else "client_disconnected"
     rec.reason = rec.reason or "admitted"
     state.metrics.child(state.metrics.e2e, ticket.klass).observe(result.ended_at - arrived)
     _log(state, rec, arrived)
@@ -132,10 +144,23 @@ def _decision_limit(state: GateState) -> int:
     return p.long_threshold if p.max_input_tokens is None else min(p.long_threshold, p.max_input_tokens + 1)
 
 
-def _hand_off(state: GateState, route: str, body: dict, n: int, rec: RequestRecord, reason: str) -> web.Response:
+def _cannot_fit(state: GateState, body: dict, chat: bool) -> str | None:
+    """The byte rule (`tokens_fit.py`): a refusal message for input that cannot fit, before counting."""
+    rule, limit = state.token_bytes, state.max_model_len
+    if rule is None or limit is None:
+        return None
+    nbytes = chat_bytes(body.get("messages")) if chat else text_bytes(body.get("prompt"))
+    if nbytes is None or not rule.cannot_fit(nbytes, limit):
+        return None
+    state.guard.counters.byte_rule_refusals += 1
+    return rule.refusal(nbytes, limit)
+
+
+def _hand_off(state: GateState, request: web.Request, route: str, body: dict, n: int, rec: RequestRecord,
+              reason: str) -> web.Response:
     body.pop("stream", None)
     body.pop("stream_options", None)  # a job stores one whole answer
-    job = state.jobs.create(route, body, n)
+    job = state.jobs.create(route, body, n, owner=tenant(request, state.settings.api_keys))
     state.runner.submit(job)
     rec.job_id = job.id
     data = {**job.public(), "url": f"/v1/async/{job.id}", "reason": reason}

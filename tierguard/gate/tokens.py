@@ -20,14 +20,15 @@ milliseconds of TTFT under load) is skipped. Only requests near a limit are coun
 
 from __future__ import annotations
 
-import asyncio
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 
+from tierguard.common.tokenpool import RawTokenizer, TokenizerPool
 from tierguard.gate.tokens_bound import PROBE_TEXT, TEXT_SLACK_TOKENS, byte_bound, is_byte_level, utf8_len
+from tierguard.gate.tokens_fit import token_bytes_from_json
 
 PER_MESSAGE_OVERHEAD = 4  # role markers and separators a chat template adds per message
 CHARS_PER_TOKEN = 4
@@ -107,30 +108,33 @@ _ESTIMATE = TokenCounter()  # the estimate, used for the logged figure of uncoun
 
 
 class LocalTokenizer(TokenCounter):
-    """A `tokenizer.json` from a local directory; never downloads anything."""
+    """A `tokenizer.json` from a local directory; never downloads anything.
+
+    Long texts are counted by worker processes (`common/tokenpool.py`): `tokenizers`
+    holds the GIL while it encodes, so a thread would still stall the event loop. A full
+    queue raises `PoolBusy` (the gate answers 503)."""
 
     method = "exact"
 
-    def __init__(self, directory: str, use_byte_bound: bool = True) -> None:
+    def __init__(self, directory: str, use_byte_bound: bool = True, workers: int = 2, max_pending: int = 32) -> None:
         from tokenizers import Tokenizer
 
         path = Path(directory) / "tokenizer.json"
         self.tokenizer = Tokenizer.from_file(str(path))
+        tok_json = json.loads(path.read_text(encoding="utf-8"))
         # Only a byte-level BPE guarantees at least one byte per token; anything else
         # (WordPiece, Unigram without byte fallback, ...) is always counted exactly.
-        self.byte_level = is_byte_level(json.loads(path.read_text(encoding="utf-8")))
+        self.byte_level = is_byte_level(tok_json)
         self.byte_bound_ok = use_byte_bound and self.byte_level
+        self.token_bytes = token_bytes_from_json(tok_json, self.tokenizer.get_vocab(with_added_tokens=True))
+        self.pool = TokenizerPool(RawTokenizer(self.tokenizer), workers=workers, max_pending=max_pending)
         self.source = f"local tokenizer {directory}" + (" (byte-level: byte bound on)" if self.byte_bound_ok
                                                         else " (exact count for every request)")
 
     async def count_text(self, text: str) -> int:
         if not text:
             return 0
-        if len(text) > 20_000:  # a long prompt would stall the event loop for milliseconds
-            enc = await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=False)
-        else:
-            enc = self.tokenizer.encode(text, add_special_tokens=False)
-        return len(enc.ids)
+        return len(await self.pool.encode(text, add_special_tokens=False))
 
 
 class UpstreamTokenizer(TokenCounter):

@@ -68,12 +68,12 @@ def is_byte_level(tokenizer_json: dict) -> bool:
         return True
     if model.get("type") not in (None, "BPE"):
         return False
-    return any(_has_type(tokenizer_json.get(k), "ByteLevel") for k in ("pre_tokenizer", "decoder"))
+    return any(has_type(tokenizer_json.get(k), "ByteLevel") for k in ("pre_tokenizer", "decoder"))
 
 
-def _has_type(node: object, name: str) -> bool:
+def has_type(node: object, name: str) -> bool:
     if isinstance(node, dict):
-        return node.get("type") == name or any(_has_type(v, name) for v in node.values())
+        return node.get("type") == name or any(has_type(v, name) for v in node.values())
     if isinstance(node, list):
-        return any(_has_type(v, name) for v in node)
+        return any(has_type(v, name) for v in node)
     return False

@@ -42,6 +42,15 @@ class HFTokenizer:
         self._template = None
         self.vocab_size = self._tok.get_vocab_size()
 
+    @property
+    def backend(self) -> _RustTokenizer:
+        """The `tokenizers.Tokenizer` underneath (its JSON gives the serve's byte rule)."""
+        return self._tok
+
+    def __getstate__(self) -> dict:
+        # Picklable for the tokenizer process pool: the compiled template is rebuilt on use.
+        return {**self.__dict__, "_template": None}
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 

@@ -16,9 +16,12 @@ from pydantic import ValidationError
 
 from tierguard import __version__
 from tierguard.common.errors import TierguardError
+from tierguard.common.peers import EdgeCollector, PeerGuard, PeerLimits, expect_json
+from tierguard.common.tokenpool import TokenizerPool
 from tierguard.engine.api import AsyncEngine
 from tierguard.gate import AdmissionController, AdmissionPolicy
 from tierguard.gate.metrics import ControllerCollector
+from tierguard.gate.tokens_fit import TokenBytes, token_bytes_of
 from tierguard.serve import generate
 from tierguard.serve.errors import APIError, bad_request, from_validation_error
 from tierguard.serve.generate import ServeState
@@ -33,6 +36,10 @@ STATE_KEY: web.AppKey[ServeState] = web.AppKey("tierguard_serve_state", ServeSta
 # so probes and scrapers work without secrets (as in vLLM).
 _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
+# Body limit for a tokenizer without a byte rule (no `tokenizers` backend): a generous
+# guess at the longest token in bytes, so the limit still follows max_model_len.
+UNKNOWN_TOKEN_BYTES = 32
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -43,8 +50,17 @@ def create_app(
     served_model_name: str | list[str] | None = None,
     manage_engine: bool = True,
     admission: AdmissionPolicy | None = None,
+    limits: PeerLimits | None = None,
+    max_body_bytes: int | None = None,
+    tokenizer_workers: int = 2,
+    tokenizer_queue: int = 32,
 ) -> web.Application:
-    """The server; with `admission`, every generating request passes the gate's controller."""
+    """The server; with `admission`, every generating request passes the gate's controller.
+
+    `limits` are the slow-peer deadlines (docs/hardening.md); run the app with
+    `app[STATE_KEY].guard.runner(app)` for the header deadline to apply. The body limit
+    defaults to what the longest prompt that fits could need (`tokens_fit.py`).
+    """
     if isinstance(served_model_name, str):
         names = [served_model_name]
     else:
@@ -57,24 +73,53 @@ def create_app(
             raise TierguardError("overflow 'async' needs a job store: run `tierguard gate` in front of serve")
         controller = AdmissionController(admission)
         metrics.registry.register(ControllerCollector(controller))
+    guard = PeerGuard(limits)
+    token_bytes = token_bytes_of(engine.tokenizer)
+    derived = (token_bytes or TokenBytes(UNKNOWN_TOKEN_BYTES, exact=False)).body_limit(engine.max_model_len)
+    if max_body_bytes is None:
+        max_body_bytes = derived
+    elif max_body_bytes > derived and token_bytes is not None:
+        log.warning("--max-body-bytes %d is above %d, the most a prompt that fits max_model_len %d can need: "
+                    "bigger bodies are read and parsed on the event loop only to be refused", max_body_bytes,
+                    derived, engine.max_model_len)
+    pool = TokenizerPool(engine.tokenizer, workers=tokenizer_workers, max_pending=tokenizer_queue)
     state = ServeState(
-        engine=engine, served_model_names=names, api_key=api_key or None, metrics=metrics, admission=controller
+        engine=engine, served_model_names=names, api_key=api_key or None, metrics=metrics, admission=controller,
+        guard=guard, pool=pool, token_bytes=token_bytes, max_body_bytes=max_body_bytes,
     )
+    metrics.registry.register(EdgeCollector("tierguard:", guard, pool, {"model_name": names[0]}))
 
-    app = web.Application(middlewares=[_errors_middleware, _auth_middleware], client_max_size=64 * 1024**2)
+    # guard first: it must see every request, refused ones included, to stop its header timer.
+    app = web.Application(
+        middlewares=[guard.middleware(), _errors_middleware, _auth_middleware], client_max_size=max_body_bytes + 1024
+    )
     app[STATE_KEY] = state
-    app.router.add_post("/v1/completions", _with_state(generate.completions))
-    app.router.add_post("/v1/chat/completions", _with_state(generate.chat_completions))
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
-    app.router.add_get("/version", version)
-    app.router.add_post("/tokenize", tokenize)
-    app.router.add_post("/detokenize", detokenize)
-    app.router.add_get("/metrics", metrics_handler)
+    app.on_cleanup.append(_close_pool)
+    post, get = _routes(app)
+    post("/v1/completions", _with_state(generate.completions))
+    post("/v1/chat/completions", _with_state(generate.chat_completions))
+    get("/v1/models", models)
+    get("/health", health)
+    get("/version", version)
+    post("/tokenize", tokenize)
+    post("/detokenize", detokenize)
+    get("/metrics", metrics_handler)
     if manage_engine:
         app.on_startup.append(_start_engine)
         app.on_cleanup.append(_stop_engine)
     return app
+
+
+def _routes(app: web.Application):
+    """add_post/add_get with a JSON 417 for an unknown `Expect:` (see peers.expect_json)."""
+
+    def post(path: str, handler: Handler) -> None:
+        app.router.add_post(path, handler, expect_handler=expect_json)
+
+    def get(path: str, handler: Handler) -> None:
+        app.router.add_get(path, handler, expect_handler=expect_json)
+
+    return post, get
 
 
 def _with_state(fn: Callable[[web.Request, ServeState], Awaitable[web.StreamResponse]]) -> Handler:
@@ -90,6 +135,12 @@ async def _start_engine(app: web.Application) -> None:
 
 async def _stop_engine(app: web.Application) -> None:
     await app[STATE_KEY].engine.shutdown()
+
+
+async def _close_pool(app: web.Application) -> None:
+    pool = app[STATE_KEY].pool
+    if pool is not None:
+        pool.close()
 
 
 @web.middleware
@@ -111,6 +162,8 @@ async def _errors_middleware(request: web.Request, handler: Handler) -> web.Stre
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
         resp = APIError(500, "internal server error; see the server log").response()
+    if resp.status in (408, 413):
+        resp.force_close()  # the rest of the body was not read: the connection cannot be reused
     state.metrics.on_response(route, resp.status)
     return resp
 
@@ -168,7 +221,7 @@ async def version(request: web.Request) -> web.Response:
 
 async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
-    req = TokenizeRequest.model_validate_json(await request.read())
+    req = TokenizeRequest.model_validate_json(await state.read_body(request))
     state.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("send exactly one of `prompt` or `messages`", "prompt")
@@ -182,7 +235,7 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def detokenize(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
-    req = DetokenizeRequest.model_validate_json(await request.read())
+    req = DetokenizeRequest.model_validate_json(await state.read_body(request))
     state.check_model(req.model)
     vocab = getattr(state.engine.tokenizer, "vocab_size", None)
     bad = [t for t in req.tokens if t < 0 or (vocab is not None and t >= vocab)]

@@ -1,7 +1,8 @@
 """The two generating endpoints: /v1/completions and /v1/chat/completions.
 
-Both share one path: validate → tokenize → check the context budget → run the engine
-request → stream chunks or gather one body. The invariant that matters for memory:
+Both share one path: read the body (size limit, deadline) → validate → refuse what
+cannot fit by the byte rule → tokenize (off the loop, bounded queue) → check the
+context budget → run the engine request → stream chunks or gather one body. The invariant that matters for memory:
 every engine request either finishes or is aborted here (`finally`), whether the
 client read to the end, disconnected mid-stream, or the handler was cancelled, so
 its KV blocks always return to the pool.
@@ -12,14 +13,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 
 from aiohttp import web
 
 from tierguard.common.errors import TierguardError
+from tierguard.common.peers import Backlog, BodyError, PeerGuard, SlowReader
+from tierguard.common.tokenpool import PoolBusy, TokenizeError, TokenizerPool
 from tierguard.engine.api import AsyncEngine, RequestOutput
 from tierguard.gate import AdmissionController
+from tierguard.gate.tokens_fit import TokenBytes, chat_bytes, text_bytes
 from tierguard.serve.admission import admitted
 from tierguard.serve.errors import APIError, bad_request
 from tierguard.serve.metrics import ServeMetrics
@@ -28,11 +32,6 @@ from tierguard.serve.responses import Shape, usage
 from tierguard.serve.sse import ClientGone, SSEWriter
 
 log = logging.getLogger("tierguard.serve")
-
-# Tokenizing more text than this inline would hold the event loop for a noticeable
-# time (hundreds of µs and up), so longer inputs go to a worker thread.
-_INLINE_TOKENIZE_CHARS = 2048
-
 
 @dataclass
 class ServeState:
@@ -44,6 +43,14 @@ class ServeState:
     metrics: ServeMetrics
     admission: AdmissionController | None = None  # None: every request goes straight to the engine
     started_at: float = field(default_factory=time.time)
+    guard: PeerGuard = field(default_factory=PeerGuard)  # slow peers, body limits, edge counters
+    pool: TokenizerPool | None = None  # tokenizing off the event loop; None: built from the engine
+    token_bytes: TokenBytes | None = None  # the byte rule; None: this tokenizer has none
+    max_body_bytes: int = 64 * 1024**2
+
+    def __post_init__(self) -> None:
+        if self.pool is None:
+            self.pool = TokenizerPool(self.engine.tokenizer)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_model_names:
@@ -54,26 +61,35 @@ class ServeState:
                 "model",
             )
 
+    async def read_body(self, request: web.Request) -> bytes:
+        """The body within the size limit and the body timeout (413 / 408 otherwise)."""
+        try:
+            return await self.guard.read_body(request, self.max_body_bytes)
+        except BodyError as exc:
+            raise APIError(exc.status, exc.message) from None
+
+    def refuse_unfit(self, nbytes: int | None) -> None:
+        """The byte rule: refuse a text that cannot fit before any tokenizer runs on it."""
+        limit = self.engine.max_model_len
+        if nbytes is not None and self.token_bytes is not None and self.token_bytes.cannot_fit(nbytes, limit):
+            self.guard.counters.byte_rule_refusals += 1
+            raise bad_request(self.token_bytes.refusal(nbytes, limit), "prompt")
+
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        tok = self.engine.tokenizer
-        if len(text) <= _INLINE_TOKENIZE_CHARS:
-            return tok.encode(text, add_special_tokens=add_special_tokens)
-        return await asyncio.to_thread(tok.encode, text, add_special_tokens)
+        self.refuse_unfit(text_bytes(text))
+        return await self._pooled(self.pool.encode(text, add_special_tokens))
 
     async def encode_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        def work() -> list[int]:
-            try:
-                text = self.engine.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=add_generation_prompt
-                )
-            except Exception as exc:  # no template, or the template rejected these messages
-                raise bad_request(f"cannot apply the chat template: {exc}", "messages") from exc
-            # The template already contains BOS and friends; adding them again doubles them.
-            return self.engine.tokenizer.encode(text, add_special_tokens=False)
+        self.refuse_unfit(chat_bytes(messages))
+        return await self._pooled(self.pool.encode_chat(messages, add_generation_prompt))
 
-        if sum(len(m["content"]) for m in messages) <= _INLINE_TOKENIZE_CHARS:
-            return work()
-        return await asyncio.to_thread(work)
+    async def _pooled(self, job: Awaitable[list[int]]) -> list[int]:
+        try:
+            return await job
+        except PoolBusy as exc:
+            raise APIError(503, f"{exc}; retry shortly", None, {"Retry-After": str(exc.retry_after_s)}) from None
+        except TokenizeError as exc:
+            raise bad_request(str(exc), "messages") from None
 
     def budget(self, num_prompt: int, requested: int | None) -> int:
         """max_tokens to run with; refuses requests that cannot fit the context."""
@@ -123,7 +139,7 @@ class _Timer:
 
 async def completions(request: web.Request, state: ServeState) -> web.StreamResponse:
     arrival = time.monotonic()
-    req = CompletionRequest.model_validate_json(await request.read())
+    req = CompletionRequest.model_validate_json(await state.read_body(request))
     req.request_class = req.resolve_class(request.headers)
     _refuse(req.unsupported())
     state.check_model(req.model)
@@ -138,7 +154,7 @@ async def completions(request: web.Request, state: ServeState) -> web.StreamResp
 
 async def chat_completions(request: web.Request, state: ServeState) -> web.StreamResponse:
     arrival = time.monotonic()
-    req = ChatCompletionRequest.model_validate_json(await request.read())
+    req = ChatCompletionRequest.model_validate_json(await state.read_body(request))
     req.request_class = req.resolve_class(request.headers)
     _refuse(req.unsupported())
     state.check_model(req.model)
@@ -195,7 +211,7 @@ async def _run(
             raise bad_request(str(exc)) from exc
         outputs = _chain(first, gen, progress)
         if req.stream:
-            return await _stream(request, req, shape, timer, outputs, headers)
+            return await _stream(request, req, shape, timer, outputs, headers, state.guard.backlog(request))
         pieces: list[str] = []
         last = first
         async for out in outputs:
@@ -239,8 +255,9 @@ async def _stream(
     timer: _Timer,
     outputs: AsyncIterator[RequestOutput],
     headers: dict[str, str] | None = None,
+    backlog: Backlog | None = None,
 ) -> web.StreamResponse:
-    sse = SSEWriter(request)
+    sse = SSEWriter(request, backlog)
     sse.response.headers.update(headers or {})
     await sse.open()
     try:
@@ -254,8 +271,9 @@ async def _stream(
                 if req.include_usage:
                     await sse.send(shape.usage_chunk(_usage_of(out)))
         await sse.done()
-    except ClientGone:
-        log.info("client went away during %s; aborting it", shape.id)
+    except ClientGone as exc:
+        why = "stopped reading (slow reader)" if isinstance(exc.__cause__, SlowReader) else "went away"
+        log.info("client %s during %s; aborting it", why, shape.id)
     except Exception as exc:  # headers are out: the failure can only travel as an event
         log.exception("request %s failed mid-stream", shape.id)
         try:

@@ -2,7 +2,8 @@
 
 A write to a client that went away raises `ClientGone`, so the handler has one
 exception to catch and can abort the engine request (freeing its KV blocks) instead
-of generating tokens nobody will read.
+of generating tokens nobody will read. A client that is there but does not read (its
+unread output passed the slow-reader mark, `common/peers.py`) ends the same way.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import json
 
 from aiohttp import web
+
+from tierguard.common.peers import Backlog
 
 _DONE = b"data: [DONE]\n\n"
 
@@ -19,8 +22,9 @@ class ClientGone(Exception):
 
 
 class SSEWriter:
-    def __init__(self, request: web.Request) -> None:
+    def __init__(self, request: web.Request, backlog: Backlog | None = None) -> None:
         self._request = request
+        self._backlog = backlog
         self._resp = web.StreamResponse(
             status=200,
             headers={
@@ -52,6 +56,8 @@ class SSEWriter:
         if self.client_gone():
             raise ClientGone()
         try:
+            if self._backlog is not None:
+                self._backlog.check()  # raises SlowReader, a ConnectionResetError
             await self._resp.write(data)
         except (ConnectionResetError, ConnectionError, RuntimeError) as exc:
             # aiohttp raises ClientConnectionResetError (a ConnectionResetError) or
