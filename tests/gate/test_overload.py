@@ -92,14 +92,22 @@ def _overload(tmp_path, seconds: float) -> None:
         url = gate.url + "/v1/completions"
         seen = 0
 
-        def new_records() -> list[dict]:
+        def new_records(expected: int) -> list[dict]:
+            # A stream's line is written when the gate finishes relaying it, which can be a
+            # moment after the client read its last byte: wait for the lines, bounded.
             nonlocal seen
+            deadline = time.monotonic() + 10
             lines = log.read_text().splitlines()
+            while len(lines) - seen < expected and time.monotonic() < deadline:
+                time.sleep(0.05)
+                lines = log.read_text().splitlines()
             seen, fresh = len(lines), lines[seen:]
             return [json.loads(x) for x in fresh]
 
-        _check(run(_flood(url, rate, seconds / 2)), new_records())
-        stats = _check(run(_flood(url, rate, seconds)), new_records())
+        first = run(_flood(url, rate, seconds / 2))
+        _check(first, new_records(len(first)))
+        second = run(_flood(url, rate, seconds))
+        stats = _check(second, new_records(len(second)))
         print({**stats, "rate_rps": round(rate, 1)})
         upstream_health = run(_health(up.base_url))
         assert upstream_health["max_active"] <= CAPACITY  # the engine never queued behind the gate
