@@ -208,11 +208,15 @@ def test_decode_guard_refuses_disk_reads(tmp_path):
             tier.read(1)
         with pytest.raises(ColdContractViolation):
             tier.read_into(1, bytearray(N))
+    assert tier.stats().reads_in_decode == 2  # each refused read is counted before it raises
     assert tier.read(1) is not None  # outside the decode step it is fine
+    assert tier.stats().hits == 1
 
 
-def test_naive_mode_allows_and_counts_reads_in_decode(tmp_path):
-    tier = DiskTier(tmp_path, FP, 1 << 20, allow_reads_in_decode=True)
+def test_naive_spill_tier_allows_and_counts_reads_in_decode(tmp_path):
+    from tierguard.kv.naive import NaiveSpillTier
+
+    tier = NaiveSpillTier(tmp_path, FP, 1 << 20)  # benchmark only; the disk tier has no switch
     tier.write(1, payload(1, N))
     with decode_guard():
         assert tier.read(1) is not None
