@@ -53,7 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def legacy_copy(tensors: list[torch.Tensor], offsets, block: int, payload: torch.Tensor, to_device: bool) -> None:
+def legacy_copy(
+    tensors: list[torch.Tensor], offsets, block: int, payload: torch.Tensor, to_device: bool
+) -> None:
     """The old path: one strided copy per block per tensor, block index at dim 2."""
     for t, (offset, nbytes) in zip(tensors, offsets, strict=True):
         view = payload[offset : offset + nbytes].view(t.dtype).view(t[:, :, 0].shape)
@@ -77,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     torch.set_num_threads(a.threads)
     dtype = "int8" if a.kv_dtype == "int8" else a.dtype
-    layout = KVLayout(a.layers, a.kv_heads, a.head_dim, a.block_size, dtype, "int8" if a.kv_dtype == "int8" else "none")
+    layout = KVLayout(
+        a.layers, a.kv_heads, a.head_dim, a.block_size, dtype, "int8" if a.kv_dtype == "int8" else "none"
+    )
     device = torch.device(a.device)
     pool = DevicePool.allocate(layout, a.pool_blocks, device)
     for t in pool.tensors:
@@ -110,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         "gb_per_s": {},
     }
     for direction, to_device in (("device_to_host", False), ("host_to_device", True)):
-        new_s = timed(lambda j, td=to_device: pool.copy_blocks(jobs[j][0], host.slab, jobs[j][1], td), a.jobs, sync)
+        new_s = timed(
+            lambda j, td=to_device: pool.copy_blocks(jobs[j][0], host.slab, jobs[j][1], td), a.jobs, sync
+        )
 
         def old(j: int, td: bool = to_device) -> None:
             for b, s in zip(*jobs[j], strict=True):

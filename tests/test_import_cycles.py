@@ -99,7 +99,9 @@ def test_the_walk_finds_a_cycle_when_there_is_one(tmp_path):
     (pkg / "sub").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "sub" / "__init__.py").write_text("")
-    (pkg / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.sub.b import B\n")
+    (pkg / "a.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.sub.b import B\n"
+    )
     (pkg / "sub" / "b.py").write_text("def f():\n    from ..a import A\n")
     (pkg / "c.py").write_text("import pkg.a\n")
     assert cycles(module_graph(pkg)) == [["pkg.a", "pkg.sub.b"]]

@@ -83,7 +83,9 @@ class Rig:
     def loaded(self, seq: Seq, hashes: list[int]) -> list[int | None]:
         """Device block now holding each hash (published by the load), None if absent."""
         bs = self.layout.block_size
-        return [self.pool.lookup(h, tuple(seq.token_ids[i * bs : (i + 1) * bs])) for i, h in enumerate(hashes)]
+        return [
+            self.pool.lookup(h, tuple(seq.token_ids[i * bs : (i + 1) * bs])) for i, h in enumerate(hashes)
+        ]
 
     def stats(self) -> dict[str, float]:
         return flat(self.conn.stats(), prefix="kv_")

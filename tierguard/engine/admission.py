@@ -73,7 +73,9 @@ class ContractAdmission(AdmissionPolicy):
     def has_room(self, seq: Sequence, match: PrefixMatch, reserve: int, running: list[Sequence]) -> bool:
         """Room for the whole remaining prompt, after the unfinished prefills of running ones."""
         whole = len(seq) - len(match.block_ids) * self.bm.block_size
-        pending = sum(self.bm.blocks_needed(s, s.num_pending_tokens) for s in running if s.num_pending_tokens > 1)
+        pending = sum(
+            self.bm.blocks_needed(s, s.num_pending_tokens) for s in running if s.num_pending_tokens > 1
+        )
         return self.bm.can_admit(seq, match, whole, reserve=reserve + pending)
 
     def on_no_room(

@@ -144,8 +144,9 @@ class LLMEngine:
             return NoConnector()
         options = TierOptions(int(config.kv_host_gib * GIB), config.media_options(), config.ttft_budget_ms)
         self.contract = ColdContract(options.ttft_budget_ms)
+        pool, device_pool = self.pool, self.runner.device_pool
         return TieredConnector.create(
-            self.pool, self.runner.device_pool, config.block_size, self.fingerprint, options, self.contract, faults
+            pool, device_pool, config.block_size, self.fingerprint, options, self.contract, faults
         )
 
     def _make_scheduler(self) -> Scheduler:

@@ -81,7 +81,9 @@ class NaivePagingScheduler(Scheduler):
             budget -= n
         return budget
 
-    def _page_in(self, seq: Sequence, scheduled_ids: set[str], paged_now: set[str], out: SchedulerOutput) -> bool:
+    def _page_in(
+        self, seq: Sequence, scheduled_ids: set[str], paged_now: set[str], out: SchedulerOutput
+    ) -> bool:
         """Read a paged-out sequence back inside this step, paging out the newest
         unscheduled ones to make room. False: it does not run this step."""
         while self.bm.pool.num_free < self.pager.blocks_needed(seq):

@@ -80,7 +80,9 @@ def decode_header(raw: bytes | bytearray | memoryview) -> Header:
     if len(raw) < HEADER_LEN:
         raise BadHeader(f"short header ({len(raw)} bytes)")
     head = raw[: _HEAD.size]
-    magic, version, header_len, fp, block_hash, payload_len, payload_xxh, codec, _r, key_id = _HEAD.unpack(head)
+    magic, version, header_len, fp, block_hash, payload_len, payload_xxh, codec, _r, key_id = _HEAD.unpack(
+        head
+    )
     (head_xxh,) = _TAIL.unpack(raw[_HEAD.size : HEADER_LEN])
     if magic != MAGIC:
         raise BadHeader("bad magic")

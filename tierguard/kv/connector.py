@@ -98,7 +98,9 @@ class TierStats:
     loads_started: int = counter("Prefix loads staged from host RAM or a cold tier.")
     loads_done: int = counter("Prefix loads finished (successfully or not).")
     blocks_loaded: int = counter("Blocks loaded into the device pool.")
-    blocks_loaded_from: dict[str, int] = counter("Blocks loaded that came from a cold tier.", "blocks_loaded_from_{key}", {})
+    blocks_loaded_from: dict[str, int] = counter(
+        "Blocks loaded that came from a cold tier.", "blocks_loaded_from_{key}", {}
+    )
     recomputes: int = counter("Loads abandoned at their deadline; prefix recomputed.", "tier_recomputes")
     async_handoffs: int = counter("Interactive requests moved to the batch path at a deadline.")
     swap_out_blocks: int = counter("Blocks of preempted sequences swapped to host RAM.")

@@ -50,7 +50,9 @@ class DeviceHostCopy(TransferHandler):
         with torch.cuda.stream(stream):
             if isinstance(prepared, torch.cuda.Event):
                 stream.wait_event(prepared)
-            self.pool.copy_blocks(device.block_ids, self.host.slab, host.slots, self.to_device, non_blocking=True)
+            self.pool.copy_blocks(
+                device.block_ids, self.host.slab, host.slots, self.to_device, non_blocking=True
+            )
             done = torch.cuda.Event()
             done.record()
         done.synchronize()  # this worker thread waits; the caller never does

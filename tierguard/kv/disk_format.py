@@ -15,7 +15,16 @@ import torch
 
 from tierguard.kv.block_format import HEADER_LEN, U64_MAX, BadHeader, decode_header
 
-__all__ = ["HEADER_LEN", "U64_MAX", "OPEN_FLAGS", "block_name", "temp_name", "as_buffer", "read_all", "scan_dir"]
+__all__ = [
+    "HEADER_LEN",
+    "U64_MAX",
+    "OPEN_FLAGS",
+    "block_name",
+    "temp_name",
+    "as_buffer",
+    "read_all",
+    "scan_dir",
+]
 
 OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC  # never follow a symlink planted in the tier directory
 

@@ -69,7 +69,9 @@ class PersistPlan:
 
 @dataclass
 class ManagerStats:
-    hits: dict[str, int] = counter("Blocks loaded per tier (staged from a cold tier counts there).", "{key}_hits", {})
+    hits: dict[str, int] = counter(
+        "Blocks loaded per tier (staged from a cold tier counts there).", "{key}_hits", {}
+    )
     misses: int = counter("Requested blocks found in no tier (recomputed).", "tier_misses")
     stage_failures: int = counter("Cold blocks that failed to stage (turned into misses).")
     host_evictions: int = counter("Host-RAM blocks evicted to make room.")

@@ -193,7 +193,12 @@ class DevicePool:
         return views
 
     def copy_blocks(
-        self, block_ids: list[int], slab: torch.Tensor, slots: list[int], to_device: bool, non_blocking: bool = False
+        self,
+        block_ids: list[int],
+        slab: torch.Tensor,
+        slots: list[int],
+        to_device: bool,
+        non_blocking: bool = False,
     ) -> None:
         """Copy blocks between the pool and rows of a uint8 CPU slab [rows, >= block_bytes]:
         `block_ids[i]` <-> `slab[slots[i]]`, into the pool when `to_device`.
@@ -240,7 +245,9 @@ def _runs(block_ids: list[int], slots: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-def _pack(staged: torch.Tensor, cols: torch.Tensor, runs: list[tuple[int, int, int]], into_staging: bool) -> None:
+def _pack(
+    staged: torch.Tensor, cols: torch.Tensor, runs: list[tuple[int, int, int]], into_staging: bool
+) -> None:
     """Move rows between a staging buffer (in block_ids order) and the slab, run by run."""
     row = 0
     for _b, s, n in runs:

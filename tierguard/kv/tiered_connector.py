@@ -150,7 +150,9 @@ class TieredConnector(KVConnector):
         load.pending_stages = len(staged)
         for name, blocks in staged.items():
             medium = self.media[name]
-            spec = TransferSpec(medium.spec([b.block_hash for b in blocks]), HostSlots([b.host_slot for b in blocks]))
+            spec = TransferSpec(
+                medium.spec([b.block_hash for b in blocks]), HostSlots([b.host_slot for b in blocks])
+            )
             self._submit(spec, lambda r, load=load, blocks=blocks: self._on_staged(load, blocks, r))
         if not staged:
             load.keep = n
@@ -189,7 +191,9 @@ class TieredConnector(KVConnector):
         # Publish what arrived under its hash: re-admission finds it as a device hit.
         for i in range(num_blocks):
             j = first + i
-            self.pool.register(load.targets[i], load.plan.blocks[i].block_hash, tuple(seq.token_ids[j * bs : (j + 1) * bs]))
+            self.pool.register(
+                load.targets[i], load.plan.blocks[i].block_hash, tuple(seq.token_ids[j * bs : (j + 1) * bs])
+            )
         for b in load.held + load.targets:
             self.pool.release(b)
         c = self._c
@@ -203,7 +207,9 @@ class TieredConnector(KVConnector):
         self._ready.append(seq)
 
     def _on_deadline(self, load: _Load) -> None:
-        decision = self.contract.decide_on_miss(self.contract.class_of(load.seq.request_class), staged_in_time=False)
+        decision = self.contract.decide_on_miss(
+            self.contract.class_of(load.seq.request_class), staged_in_time=False
+        )
         if decision.action == "wait":
             load.decided = True
         elif decision.action == "async":
@@ -258,7 +264,9 @@ class TieredConnector(KVConnector):
         else:
             self._c.offloaded_blocks += len(in_flight)
 
-    def _on_stored(self, plan: StorePlan, device_blocks: list[int], persist: bool, result: TransferResult) -> None:
+    def _on_stored(
+        self, plan: StorePlan, device_blocks: list[int], persist: bool, result: TransferResult
+    ) -> None:
         self.manager.complete_store(plan, result.success)
         for b in device_blocks:
             self._unpin(b)
@@ -285,7 +293,9 @@ class TieredConnector(KVConnector):
             # Copies were made when the block's sequence ended (an async copy at eviction
             # would have to delay the reuse), so this only counts prefix blocks lost for
             # good: a sign the host tier is too small.
-            if not self.host.contains(block_hash) and not any(m.contains(block_hash) for m in self.media.values()):
+            if not self.host.contains(block_hash) and not any(
+                m.contains(block_hash) for m in self.media.values()
+            ):
                 self._c.device_evictions_uncopied += 1
         now = time.monotonic()
         for load in list(self._loads.values()):

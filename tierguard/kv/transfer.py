@@ -38,7 +38,9 @@ class TransferSpec:
 
     def __post_init__(self) -> None:
         if len(self.src) != len(self.dst):
-            raise ValueError(f"transfer {self.route_name}: {len(self.src)} source blocks, {len(self.dst)} targets")
+            raise ValueError(
+                f"transfer {self.route_name}: {len(self.src)} source blocks, {len(self.dst)} targets"
+            )
 
     @property
     def route(self) -> tuple[type[BlockSpec], type[BlockSpec]]:
@@ -136,7 +138,9 @@ class TransferWorker:
             routes = {name: (r.stats, sorted(r.window)) for name, r in self._routes.items()}
         out = {}
         for name, (s, lat) in routes.items():
-            out[name] = RouteStats(s.jobs, s.failed_jobs, s.blocks, s.bytes, quantile_ms(lat, 0.5), quantile_ms(lat, 0.99))
+            out[name] = RouteStats(
+                s.jobs, s.failed_jobs, s.blocks, s.bytes, quantile_ms(lat, 0.5), quantile_ms(lat, 0.99)
+            )
         return out
 
     @property

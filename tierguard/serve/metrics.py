@@ -121,10 +121,14 @@ class _EngineCollector(Collector):
             "vllm:generation_tokens", "Generation tokens processed.", s.generation_tokens_total
         )
         yield self._gauge(
-            "tierguard:engine_kv_blocks_cached", "Free device blocks still holding a prefix.", s.kv_blocks_cached
+            "tierguard:engine_kv_blocks_cached",
+            "Free device blocks still holding a prefix.",
+            s.kv_blocks_cached,
         )
         yield self._counter(
-            "tierguard:engine_kv_block_evictions", "Cached device blocks reused for other content.", s.kv_block_evictions
+            "tierguard:engine_kv_block_evictions",
+            "Cached device blocks reused for other content.",
+            s.kv_block_evictions,
         )
         yield self._gauge("tierguard:engine_kv_block_size", "Tokens per KV block.", s.kv_block_size)
         for key, value in sorted(s.extra.items()):
