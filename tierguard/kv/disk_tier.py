@@ -46,7 +46,7 @@ from tierguard.kv.spec import is_fingerprint
 
 _OPEN_FLAGS = fmt.OPEN_FLAGS
 _COUNTERS = (
-    "hits misses writes write_bytes read_bytes corrupt io_errors write_errors evictions "
+    "hits misses writes write_bytes read_bytes corrupt undecodable io_errors write_errors evictions "
     "rejected_writes reads_in_decode cleaned_on_start"
 ).split()
 
@@ -67,6 +67,7 @@ class DiskTierStats:
     write_bytes: int = counter("Bytes written to block files.")
     read_bytes: int = counter("Bytes read from block files.")
     corrupt: int = counter("Block files with a bad checksum or header, removed.")
+    undecodable: int = counter("Blocks the codec could not decode (e.g. another key); kept on disk.")
     io_errors: int = counter("Disk reads that failed with an I/O error.")
     write_errors: int = counter("Disk writes that failed.")
     evictions: int = counter("Block files removed to stay within the budget.")
@@ -338,6 +339,7 @@ class DiskTier(ColdMedium):
                 return False
             return self._miss(block_hash, why, unlink=False)
         codec = self.codec
+        why = ""  # "" | "corrupt" (removed) | "undecodable" (kept: another key or codec may read it)
         try:
             head = bytearray(fmt.HEADER_LEN)
             direct = codec.codec_id == blk.IDENTITY_CODEC
@@ -345,20 +347,25 @@ class DiskTier(ColdMedium):
             stored = dst if direct else memoryview(bytearray(codec.stored_len(dst.nbytes)))
             whole = fmt.read_all(fd, memoryview(head), stored)  # one I/O for header and payload
             header = blk.decode_header(head)
-            ok = whole and os.fstat(fd).st_size == fmt.HEADER_LEN + stored.nbytes
-            ok = ok and header.codec == codec.codec_id
-            ok = ok and blk.verify(header, self.fingerprint, block_hash, stored)
-            if ok and not direct:
+            if header.codec != codec.codec_id:
+                why = "undecodable"
+            elif not (
+                whole
+                and os.fstat(fd).st_size == fmt.HEADER_LEN + stored.nbytes
+                and blk.verify(header, self.fingerprint, block_hash, stored)
+            ):
+                why = "corrupt"
+            elif not direct:
                 aad = blk.associated_data(self.fingerprint, block_hash)
-                ok = codec.decode(stored, aad, dst, header.key_id)
+                why = "" if codec.decode(stored, aad, dst, header.key_id) else "undecodable"
         except blk.BadHeader:
-            ok = False
+            why = "corrupt"
         except OSError:
             return self._miss(block_hash, "io_errors", unlink=False)
         finally:
             os.close(fd)
-        if not ok:
-            return self._miss(block_hash, "corrupt", unlink=True)
+        if why:
+            return self._miss(block_hash, why, unlink=why == "corrupt")
         with self._lock:
             self._c["hits"] += 1
             self._c["read_bytes"] += fmt.HEADER_LEN + dst.nbytes
