@@ -37,6 +37,7 @@ from typing import Any, Protocol
 
 from tierguard.common.histogram import LatencyHistogram
 from tierguard.common.stats import counter, gauge, group
+from tierguard.kv.block_format import IDENTITY, BlockCodec
 from tierguard.kv.contract import ContractStats
 from tierguard.kv.host_tier import HostTierStats
 from tierguard.kv.manager import ManagerStats
@@ -89,6 +90,7 @@ class TierOptions:
     media: dict[str, dict[str, Any]] = field(default_factory=dict)
     ttft_budget_ms: dict[str, float] | None = None
     num_threads: int = 2
+    codec: BlockCodec = IDENTITY  # how cold media store a block (an encrypting codec goes here)
 
 
 @dataclass

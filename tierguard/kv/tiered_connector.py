@@ -105,7 +105,7 @@ class TieredConnector(KVConnector):
         """Host RAM, the configured cold media (by registered name), one transfer worker."""
         faults = faults or FaultInjector()
         host = HostTier(options.host_bytes, device_pool.block_bytes)
-        ctx = MediumContext(fingerprint, device_pool.block_bytes, faults)
+        ctx = MediumContext(fingerprint, device_pool.block_bytes, faults, options.codec)
         media = [create_medium(name, ctx, opts) for name, opts in options.media.items()]
         worker = TransferWorker(device_pool.block_bytes, num_threads=options.num_threads, faults=faults)
         register_device_host(worker, device_pool, host)
