@@ -13,7 +13,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	# The filter hides setuptools' informational notice about editable installs, so a first
+	# `make demo` shows tierguard's own output rather than a build-backend warning screen.
+	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -96,7 +96,8 @@ async def stream_completion(
 
 
 async def scrape(session: aiohttp.ClientSession, url: str, prefix: str = "tierguard:engine_kv_") -> dict:
-    """Gauges whose names start with `prefix` (label-free values), plus preemptions."""
+    """Samples whose names start with `prefix` (label-free values), plus preemptions;
+    counters are keyed without their `_total` suffix (the engine's own counter names)."""
     async with session.get(url + "/metrics") as resp:
         text = await resp.text()
     out: dict[str, float] = {}
@@ -104,8 +105,10 @@ async def scrape(session: aiohttp.ClientSession, url: str, prefix: str = "tiergu
         if line.startswith("#"):
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name.startswith(prefix) or name in ("vllm:num_preemptions_total", "vllm:num_preemptions"):
-            out[name.removeprefix("tierguard:engine_")] = float(line.rsplit(" ", 1)[1])
+        if name.startswith(prefix):
+            out[name.removeprefix("tierguard:engine_").removesuffix("_total")] = float(line.rsplit(" ", 1)[1])
+        elif name in ("vllm:num_preemptions_total", "vllm:num_preemptions"):
+            out[name] = float(line.rsplit(" ", 1)[1])
     return out
 
 

@@ -40,7 +40,7 @@ COUNTERS = (
     "kv_host_hits kv_disk_hits kv_tier_misses kv_blocks_loaded kv_blocks_loaded_from_disk "
     "kv_swap_out_blocks kv_swap_recompute_blocks kv_offloaded_blocks kv_persisted_blocks "
     "kv_tier_recomputes kv_async_handoffs kv_staging_deadline_misses_interactive "
-    "kv_disk_reads_in_decode kv_naive_spills kv_naive_sync_reads kv_naive_stall_ms "
+    "kv_disk_reads_in_decode kv_naive_reads_in_decode kv_naive_spills kv_naive_sync_reads kv_naive_stall_ms "
     "kv_disk_write_errors kv_disk_healthy kv_transfer_queue_depth kv_load_p99_ms "
     "kv_transfer_device_to_host_p99_ms kv_transfer_host_to_device_p99_ms kv_block_evictions"
 ).split()

@@ -58,14 +58,21 @@ def variant_dir(tmp_path_factory, model_dirs):
     return get
 
 
-def make_engine(model_dir: Path, **overrides) -> LLMEngine:
+def make_engine(model_dir: Path, faults=None, **overrides) -> LLMEngine:
     model, cfg, dtype, device = load_model(model_dir, "float32", "cpu")
     settings = dict(
         num_blocks=128, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256
     )
     settings.update(overrides)
     return LLMEngine(
-        model, cfg, HFTokenizer(model_dir), EngineConfig(**settings), dtype, device, model_name=model_dir.name
+        model,
+        cfg,
+        HFTokenizer(model_dir),
+        EngineConfig(**settings),
+        dtype,
+        device,
+        model_name=model_dir.name,
+        faults=faults,
     )
 
 

@@ -7,17 +7,17 @@ import pytest
 from tierguard.engine.api import SamplingParams
 from tierguard.engine.block_manager import BlockManager
 from tierguard.engine.block_pool import BlockPool, BlockPoolExhausted
-from tierguard.engine.prefix_hash import block_hash, model_fingerprint, prefix_block_hashes
+from tierguard.engine.prefix_hash import block_hash, prefix_block_hashes
 from tierguard.engine.sequence import Sequence
+from tierguard.kv.spec import KVLayout, fingerprint, fingerprint_salt
 
 
 def seq(sid: str, tokens: list[int]) -> Sequence:
     return Sequence(sid, tokens, SamplingParams(), 0.0)
 
 
-def test_pool_states_and_lru_eviction_calls_on_evict():
-    evicted = []
-    pool = BlockPool(3, on_evict=lambda b, h: evicted.append((b, h)))
+def test_pool_states_and_lru_eviction_records_evicted_hashes():
+    pool = BlockPool(3, record_evictions=True)
     a, b, c = pool.allocate(), pool.allocate(), pool.allocate()
     pool.check_integrity()
     with pytest.raises(BlockPoolExhausted):
@@ -30,9 +30,9 @@ def test_pool_states_and_lru_eviction_calls_on_evict():
     assert (pool.num_free, pool.num_cached_free, pool.num_used) == (3, 2, 0)
     pool.check_integrity()
     assert pool.allocate() == c  # plain free blocks go first; nothing evicted
-    assert evicted == []
+    assert pool.take_evicted() == []
     assert pool.allocate() == b  # then the least recently freed cached block
-    assert evicted == [(b, 222)]
+    assert pool.take_evicted() == [222] and pool.take_evicted() == []
     assert pool.lookup(222, (2,)) is None and pool.lookup(111, (1,)) == a
     pool.check_integrity()
 
@@ -66,8 +66,8 @@ def test_duplicate_content_is_not_registered_twice():
 
 
 def test_chained_hashes_depend_on_prefix_and_fingerprint():
-    fp1 = model_fingerprint({"layers": 2}, "torch.float32", 4)
-    fp2 = model_fingerprint({"layers": 2}, "torch.bfloat16", 4)
+    fp1 = fingerprint_salt(fingerprint("m", KVLayout(2, 2, 8, 4, "float32"), {"layers": 2}))
+    fp2 = fingerprint_salt(fingerprint("m", KVLayout(2, 2, 8, 4, "bfloat16"), {"layers": 2}))
     tokens = list(range(12))
     h1 = prefix_block_hashes(tokens, 4, fp1)
     assert len(h1) == 3

@@ -72,11 +72,12 @@ def test_pool_follows_device_pool_conventions(tiny_dir, kv_dtype):
         t.copy_(torch.randn(t.shape).to(t.dtype) if t.dtype != torch.int8 else torch.randint(-9, 9, t.shape))
     payload = torch.empty(pool.block_bytes, dtype=torch.uint8)
     for view, t in zip(pool.payload_views(payload), pool.tensors, strict=True):
-        view.copy_(t[:, :, 3])
+        view.copy_(t[3])  # blocks first: one block is one contiguous slice
     for view, t in zip(pool.payload_views(payload), pool.tensors, strict=True):
-        t[:, :, 6].copy_(view)
+        t[6].copy_(view)
     for t in pool.tensors:
-        assert torch.equal(t[:, :, 6].view(torch.uint8), t[:, :, 3].view(torch.uint8))
+        assert t[3].is_contiguous()
+        assert torch.equal(t[6].view(torch.uint8), t[3].view(torch.uint8))
 
 
 def _paged_decode(q, k, v, kv_dtype: str, block_size: int = 16) -> torch.Tensor:
@@ -96,15 +97,15 @@ def _paged_decode(q, k, v, kv_dtype: str, block_size: int = 16) -> torch.Tensor:
         torch.zeros(ctx - 1, h, d),
         k[:-1],
         v[:-1],
-        runner_pool[0][0],
+        runner_pool[0][:, 0],
         pre,
-        None if scales is None else scales[0],
+        None if scales is None else scales[:, 0],
     )
     blocks = torch.arange(n_blocks).unsqueeze(0)
     mask = (torch.arange(n_blocks * block_size) < ctx).view(1, 1, 1, -1)
     dec = AttentionMetadata(slot_mapping=slots[-1:], num_decodes=1, decode_blocks=blocks, decode_mask=mask)
     out = paged_attention(
-        q.unsqueeze(0), k[-1:], v[-1:], runner_pool[0][0], dec, None if scales is None else scales[0]
+        q.unsqueeze(0), k[-1:], v[-1:], runner_pool[0][:, 0], dec, None if scales is None else scales[:, 0]
     )
     return out.view(h, d)
 

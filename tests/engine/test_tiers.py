@@ -8,6 +8,7 @@ import pytest
 from tests.engine.conftest import make_engine, prompt_ids
 from tierguard.common.errors import TierguardError
 from tierguard.engine.api import SamplingParams
+from tierguard.engine.prefix_hash import prefix_block_hashes
 from tierguard.engine.sequence import SequenceStatus
 from tierguard.kv.guard import ColdContractViolation, decode_guard
 
@@ -36,7 +37,7 @@ def reference(tiny_dir):
 
 
 def extra(engine) -> dict[str, float]:
-    return engine.stats().extra
+    return engine.stats().flat()
 
 
 def test_swap_to_host_and_back_keeps_greedy_outputs(tiny_dir, reference):
@@ -90,13 +91,16 @@ def test_decode_path_cannot_read_disk(tiny_dir, reference, tmp_path):
     first.close()
     engine = make_engine(tiny_dir, num_blocks=TIGHT, **tiers)
     try:
-        disk = engine.tiers.store.disk
+        disk = engine.connector.media["disk"]
+        first_block = prefix_block_hashes(PROMPTS[0], 4, engine.block_manager.fingerprint)[0]
+        assert disk.contains(first_block)
         with decode_guard(), pytest.raises(ColdContractViolation):
-            disk.read_into(next(iter(disk._index)), bytearray(engine.tiers.store.manager.host.block_bytes))
+            disk.read(first_block)
+        assert extra(engine)["kv_disk_reads_in_decode"] == 1  # the refused read is counted
         assert run(engine, PROMPTS) == reference
         x = extra(engine)
         assert x["kv_disk_hits"] > 0
-        assert x["kv_disk_reads_in_decode"] == 0
+        assert x["kv_disk_reads_in_decode"] == 1  # and the engine added none
     finally:
         engine.close()
 
@@ -115,7 +119,8 @@ def test_naive_mode_reads_disk_inside_the_step_and_counts_it(tiny_dir, reference
         x = extra(engine)
         assert x["kv_naive_page_outs"] > 0 and x["kv_naive_page_ins"] > 0
         assert x["kv_naive_sync_reads"] > 0
-        assert x["kv_disk_reads_in_decode"] >= x["kv_naive_sync_reads"]
+        assert x["kv_naive_reads_in_decode"] >= x["kv_naive_sync_reads"]
+        assert x["kv_disk_reads_in_decode"] == 0  # the production disk tier was never read in decode
         assert x["kv_naive_paged_out_seqs"] == 0
     finally:
         engine.close()

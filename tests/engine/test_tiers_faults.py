@@ -20,6 +20,7 @@ import pytest
 
 from tests.engine.conftest import make_engine
 from tests.engine.test_tiers import GREEDY, PROMPTS, run
+from tierguard.kv.faults import FaultInjector
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ def persist(tiny_dir, path, prompts) -> None:
     engine = make_engine(tiny_dir, **tiers(path))
     run(engine, prompts)
     engine.close()
-    assert engine.stats().extra["kv_persisted_blocks"] > 0
+    assert engine.stats().flat()["kv_persisted_blocks"] > 0
 
 
 def block_files(path) -> list:
@@ -53,7 +54,7 @@ def test_corrupted_block_files_are_misses(tiny_dir, reference, tmp_path):
     engine = make_engine(tiny_dir, **tiers(tmp_path))
     try:
         assert run(engine, PROMPTS[:2]) == reference[:2]
-        x = engine.stats().extra
+        x = engine.stats().flat()
         assert x["kv_disk_corrupt"] > 0 and x["kv_stage_failures"] > 0
     finally:
         engine.close()
@@ -65,25 +66,27 @@ def test_disk_full_tiny_budget_and_enospc(tiny_dir, reference, tmp_path):
         assert run(engine, PROMPTS[:2]) == reference[:2]
     finally:
         engine.close()
-    assert engine.stats().extra["kv_persisted_blocks"] == 0
-    engine = make_engine(tiny_dir, **tiers(tmp_path / "full"))
-    engine.tiers.store.disk.faults.fail("disk.write", errno.ENOSPC, times=100)
+    assert engine.stats().flat()["kv_persisted_blocks"] == 0
+    faults = FaultInjector()
+    faults.fail("disk.write", errno.ENOSPC, times=100)
+    engine = make_engine(tiny_dir, faults=faults, **tiers(tmp_path / "full"))
     try:
         assert run(engine, PROMPTS) == reference
-        healthy, reason = engine.tiers.disk_health
+        healthy, reason = engine.connector.health()["disk"]
         assert not healthy and "full" in reason
-        assert engine.stats().extra["kv_disk_healthy"] == 0.0
+        assert engine.stats().flat()["kv_disk_healthy"] == 0.0
         assert run(engine, PROMPTS[:1]) == reference[:1]  # still serving
     finally:
         engine.close()
 
 
 def test_read_only_and_unusable_directory(tiny_dir, reference, tmp_path):
-    engine = make_engine(tiny_dir, **tiers(tmp_path / "ro"))
-    engine.tiers.store.disk.faults.fail("disk.write", errno.EROFS, times=100)
+    faults = FaultInjector()
+    faults.fail("disk.write", errno.EROFS, times=100)
+    engine = make_engine(tiny_dir, faults=faults, **tiers(tmp_path / "ro"))
     try:
         assert run(engine, PROMPTS[:2]) == reference[:2]
-        assert not engine.tiers.disk_health[0]
+        assert not engine.connector.health()["disk"][0]
     finally:
         engine.close()
     not_a_dir = tmp_path / "file"
@@ -91,7 +94,7 @@ def test_read_only_and_unusable_directory(tiny_dir, reference, tmp_path):
     engine = make_engine(tiny_dir, **tiers(not_a_dir))
     try:
         assert run(engine, PROMPTS[:2]) == reference[:2]
-        healthy, reason = engine.tiers.disk_health
+        healthy, reason = engine.connector.health()["disk"]
         assert not healthy and reason
     finally:
         engine.close()
@@ -99,33 +102,30 @@ def test_read_only_and_unusable_directory(tiny_dir, reference, tmp_path):
 
 def test_transfer_worker_io_errors(tiny_dir, reference, tmp_path):
     persist(tiny_dir, tmp_path, PROMPTS)
-    engine = make_engine(tiny_dir, num_blocks=48, **tiers(tmp_path))
-    engine.tiers.store.worker.faults.fail("transfer", errno.EIO, times=6)
+    faults = FaultInjector()
+    faults.fail("transfer", errno.EIO, times=6)
+    engine = make_engine(tiny_dir, num_blocks=48, faults=faults, **tiers(tmp_path))
     try:
         assert run(engine, PROMPTS) == reference
-        assert engine.tiers.store.worker.faults.fired.get("transfer", 0) > 0
+        assert faults.fired.get("transfer", 0) > 0
     finally:
         engine.close()
 
 
-def _slow_disk_reads(engine, seconds: float) -> None:
-    disk = engine.tiers.store.disk
-    read_many = disk.read_many
-
-    def slow(*a, **kw):
-        time.sleep(seconds)
-        return read_many(*a, **kw)
-
-    disk.read_many = slow
+def _slow_disk_reads(seconds: float) -> FaultInjector:
+    """The first disk block read waits `seconds` (an injected slow device)."""
+    faults = FaultInjector()
+    faults.delay("disk.read", seconds)
+    return faults
 
 
 def test_missed_staging_deadline_interactive_recomputes(tiny_dir, reference, tmp_path):
     persist(tiny_dir, tmp_path, PROMPTS[:1])
-    engine = make_engine(tiny_dir, **tiers(tmp_path, ttft_budget_ms={"interactive": 20.0}))
-    _slow_disk_reads(engine, 0.3)
+    faults = _slow_disk_reads(0.3)
+    engine = make_engine(tiny_dir, faults=faults, **tiers(tmp_path, ttft_budget_ms={"interactive": 20.0}))
     try:
         assert run(engine, PROMPTS[:1]) == reference[:1]
-        x = engine.stats().extra
+        x = engine.stats().flat()
         assert x["kv_tier_recomputes"] == 1
         assert x["kv_staging_deadline_misses_interactive"] == 1
         assert x["kv_contract_interactive_recompute"] == 1
@@ -135,8 +135,8 @@ def test_missed_staging_deadline_interactive_recomputes(tiny_dir, reference, tmp
 
 def test_missed_staging_deadline_batch_keeps_waiting(tiny_dir, reference, tmp_path):
     persist(tiny_dir, tmp_path, PROMPTS[:1])
-    engine = make_engine(tiny_dir, **tiers(tmp_path, ttft_budget_ms={"batch": 20.0}))
-    _slow_disk_reads(engine, 0.3)
+    faults = _slow_disk_reads(0.3)
+    engine = make_engine(tiny_dir, faults=faults, **tiers(tmp_path, ttft_budget_ms={"batch": 20.0}))
     try:
         engine.add_request("b", PROMPTS[0], GREEDY, request_class="batch")
         out = []
@@ -144,7 +144,7 @@ def test_missed_staging_deadline_batch_keeps_waiting(tiny_dir, reference, tmp_pa
             out.extend(t for o in engine.step() for t in o.new_token_ids)
             engine.check_integrity()
         assert out == reference[0]
-        x = engine.stats().extra
+        x = engine.stats().flat()
         assert x["kv_contract_batch_wait"] == 1 and x["kv_tier_recomputes"] == 0
         assert x["kv_blocks_loaded_from_disk"] > 0
     finally:
@@ -153,12 +153,11 @@ def test_missed_staging_deadline_batch_keeps_waiting(tiny_dir, reference, tmp_pa
 
 def test_abort_while_loading_releases_blocks(tiny_dir, tmp_path):
     persist(tiny_dir, tmp_path, PROMPTS[:1])
-    engine = make_engine(tiny_dir, **tiers(tmp_path))
-    _slow_disk_reads(engine, 0.2)
+    engine = make_engine(tiny_dir, faults=_slow_disk_reads(0.2), **tiers(tmp_path))
     try:
         engine.add_request("a", PROMPTS[0], GREEDY)
         engine.step()
-        assert engine.stats().extra["kv_loading_seqs"] == 1
+        assert engine.stats().flat()["kv_loading_seqs"] == 1
         engine.abort("a")
         engine.check_integrity()
         while engine.has_unfinished():
@@ -197,7 +196,7 @@ def test_kill_9_during_writes_then_restart(tiny_dir, reference, tmp_path):
     engine = make_engine(tiny_dir, **tiers(tmp_path))
     try:
         assert run(engine, PROMPTS[:2]) == reference[:2]
-        assert engine.stats().extra["kv_disk_hits"] > 0  # the earlier prefix survived
+        assert engine.stats().flat()["kv_disk_hits"] > 0  # the earlier prefix survived
         assert not list(tmp_path.rglob("*.tmp*"))
     finally:
         engine.close()

@@ -105,7 +105,7 @@ async def _complete(url: str, prompt: list[int]) -> tuple[list, str]:
             text = (await r.json())["choices"][0]["text"]
         for _ in range(200):  # write-behind: wait for the blocks to reach the disk
             metrics = await (await s.get(url + "/metrics")).text()
-            if _gauge(metrics, "tierguard:engine_kv_persisted_blocks") > 0:
+            if _gauge(metrics, "tierguard:engine_kv_persisted_blocks_total") > 0:
                 break
             await asyncio.sleep(0.05)
         return text, metrics
@@ -116,7 +116,7 @@ def test_prefix_survives_a_server_restart(tmp_path):
     with _start(disk, tmp_path / "first.log") as server:
         url = server.start(timeout_s=300).split()[0]
         first, metrics = asyncio.run(_complete(url, prompt))
-        assert _gauge(metrics, "tierguard:engine_kv_persisted_blocks") > 0
+        assert _gauge(metrics, "tierguard:engine_kv_persisted_blocks_total") > 0
         # R13: the tier's device latency as a real histogram per transfer route
         counts = {
             line.split('route="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
@@ -128,8 +128,8 @@ def test_prefix_survives_a_server_restart(tmp_path):
         url = server.start(timeout_s=300).split()[0]
         again, metrics = asyncio.run(_complete(url, prompt))
     assert again == first
-    assert _gauge(metrics, "tierguard:engine_kv_disk_hits") > 0
-    assert _gauge(metrics, "tierguard:engine_kv_disk_reads_in_decode") == 0
+    assert _gauge(metrics, "tierguard:engine_kv_disk_hits_total") > 0
+    assert _gauge(metrics, "tierguard:engine_kv_disk_reads_in_decode_total") == 0
 
 
 def test_request_class_from_header_priority_or_service_tier():

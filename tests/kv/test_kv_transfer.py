@@ -7,11 +7,13 @@ import time
 import pytest
 import torch
 
-from tierguard.kv.disk_tier import DiskTier
+from tierguard.kv.copy_handlers import register_cold_medium, register_device_host
+from tierguard.kv.disk_tier import DiskBlocks, DiskTier
 from tierguard.kv.faults import FaultInjector
 from tierguard.kv.host_tier import HostTier
-from tierguard.kv.spec import DevicePool, KVLayout, Medium
-from tierguard.kv.transfer import BlockTransfer, TransferSpec, TransferWorker
+from tierguard.kv.media import DeviceBlocks, HostSlots
+from tierguard.kv.spec import DevicePool, KVLayout
+from tierguard.kv.transfer import TransferSpec, TransferWorker
 
 from .conftest import FP, wait_until
 
@@ -37,21 +39,24 @@ def test_device_host_roundtrip_moves_exact_bytes(quant, dtype):
     fill(pool)
     assert pool.block_bytes == layout.block_bytes
     host = HostTier(4 * layout.block_bytes, layout.block_bytes, pin_memory=False)
-    worker = TransferWorker(host, pool=pool)
-    worker.transfer_async(
-        1, TransferSpec(Medium.DEVICE, Medium.HOST, [BlockTransfer(10, 0, 1), BlockTransfer(11, 1, 2)])
-    )
+    worker = TransferWorker(layout.block_bytes)
+    register_device_host(worker, pool, host)
+    # one job per request: blocks 2 and 1 (out of order) into slots 3 and 0
+    worker.transfer_async(1, TransferSpec(DeviceBlocks([2, 1]), HostSlots([3, 0])))
     assert finished(worker, 1)[1].success
     before = [t.clone() for t in pool.tensors]
-    worker.transfer_async(
-        2, TransferSpec(Medium.HOST, Medium.DEVICE, [BlockTransfer(10, 0, 4), BlockTransfer(11, 1, 5)])
-    )
+    worker.transfer_async(2, TransferSpec(HostSlots([0, 3]), DeviceBlocks([4, 5])))
     r = finished(worker, 1)[2]
-    assert r.success and r.block_ok == [True, True] and r.route == (Medium.HOST, Medium.DEVICE)
+    assert r.success and r.block_ok == [True, True] and r.route == "host_to_device"
     for t, b in zip(pool.tensors, before, strict=True):
-        assert torch.equal(t[:, :, 4].view(torch.uint8), b[:, :, 1].view(torch.uint8))
-        assert torch.equal(t[:, :, 5].view(torch.uint8), b[:, :, 2].view(torch.uint8))
-        assert torch.equal(t[:, :, 0], b[:, :, 0])  # untouched blocks unchanged
+        assert torch.equal(t[4].view(torch.uint8), b[1].view(torch.uint8))
+        assert torch.equal(t[5].view(torch.uint8), b[2].view(torch.uint8))
+        assert torch.equal(t[0], b[0]) and torch.equal(t[3], b[3])  # untouched blocks unchanged
+    # the host slot holds the block's payload exactly as payload_views lays it out
+    for view, t in zip(pool.payload_views(host.slab[0]), pool.tensors, strict=True):
+        assert torch.equal(view.view(torch.uint8), t[1].view(torch.uint8))
+    stats = worker.route_stats()
+    assert stats["device_to_host"].bytes == 2 * layout.block_bytes and stats["host_to_device"].jobs == 1
     assert worker.queue_depth == 0
     worker.shutdown()
 
@@ -59,13 +64,12 @@ def test_device_host_roundtrip_moves_exact_bytes(quant, dtype):
 def test_host_disk_roundtrip_and_missing_block(tmp_path, layout):
     host = HostTier(4 * layout.block_bytes, layout.block_bytes, pin_memory=False)
     disk = DiskTier(tmp_path, FP, 1 << 20)
-    worker = TransferWorker(host, disk=disk)
+    worker = TransferWorker(layout.block_bytes)
+    register_cold_medium(worker, host, disk)
     host.slab[0].copy_(torch.arange(layout.block_bytes) % 251)
-    worker.transfer_async(1, TransferSpec(Medium.HOST, Medium.DISK, [BlockTransfer(42, 0)]))
+    worker.transfer_async(1, TransferSpec(HostSlots([0]), DiskBlocks([42])))
     assert finished(worker, 1)[1].success
-    worker.transfer_async(
-        2, TransferSpec(Medium.DISK, Medium.HOST, [BlockTransfer(42, 2), BlockTransfer(43, 3)])
-    )
+    worker.transfer_async(2, TransferSpec(DiskBlocks([42, 43]), HostSlots([2, 3])))
     r = finished(worker, 1)[2]
     assert r.block_ok == [True, False] and not r.success
     assert torch.equal(host.slab[2], host.slab[0])
@@ -75,27 +79,30 @@ def test_host_disk_roundtrip_and_missing_block(tmp_path, layout):
 def test_injected_io_error_fails_the_job_not_the_caller(tmp_path, layout):
     faults = FaultInjector()
     host = HostTier(4 * layout.block_bytes, layout.block_bytes, pin_memory=False)
-    worker = TransferWorker(host, disk=DiskTier(tmp_path, FP, 1 << 20), faults=faults)
+    worker = TransferWorker(layout.block_bytes, faults=faults)
+    register_cold_medium(worker, host, DiskTier(tmp_path, FP, 1 << 20))
     faults.fail("transfer", errno.EIO)
-    worker.transfer_async(1, TransferSpec(Medium.HOST, Medium.DISK, [BlockTransfer(1, 0)]))
-    worker.transfer_async(2, TransferSpec(Medium.HOST, Medium.DISK, [BlockTransfer(2, 1)]))
+    worker.transfer_async(1, TransferSpec(HostSlots([0]), DiskBlocks([1])))
+    worker.transfer_async(2, TransferSpec(HostSlots([1]), DiskBlocks([2])))
     got = finished(worker, 2)
     assert sorted(r.success for r in got.values()) == [False, True]
     bad = next(r for r in got.values() if not r.success)
     assert "injected" in bad.error and bad.block_ok == [False]
-    assert worker.route_stats[(Medium.HOST, Medium.DISK)].failed_jobs == 1
+    assert worker.route_stats()["host_to_disk"].failed_jobs == 1
     worker.shutdown()
 
 
 def test_unsupported_routes_are_rejected_at_submit(layout):
     host = HostTier(4 * layout.block_bytes, layout.block_bytes, pin_memory=False)
-    worker = TransferWorker(host)
+    worker = TransferWorker(layout.block_bytes)
+    register_device_host(worker, DevicePool.allocate(layout, 2), host)
+    with pytest.raises(ValueError, match="disk_to_device"):
+        worker.transfer_async(1, TransferSpec(DiskBlocks([1]), DeviceBlocks([0])))
+    with pytest.raises(ValueError, match="host_to_disk"):
+        worker.transfer_async(2, TransferSpec(HostSlots([0]), DiskBlocks([1])))  # no disk medium registered
     with pytest.raises(ValueError):
-        worker.transfer_async(1, TransferSpec(Medium.DISK, Medium.DEVICE, [BlockTransfer(1, 0, 0)]))
-    with pytest.raises(ValueError):
-        worker.transfer_async(
-            2, TransferSpec(Medium.HOST, Medium.DISK, [BlockTransfer(1, 0)])
-        )  # no disk tier
+        TransferSpec(HostSlots([0, 1]), DeviceBlocks([0]))  # one target per block
+    assert worker.queue_depth == 0
     worker.shutdown()
 
 
@@ -108,12 +115,32 @@ def test_submit_and_poll_never_wait_for_a_slow_transfer(tmp_path, layout):
             return super().write_many(items)
 
     host = HostTier(4 * layout.block_bytes, layout.block_bytes, pin_memory=False)
-    worker = TransferWorker(host, disk=SlowDisk(tmp_path, FP, 1 << 20), num_threads=1)
+    worker = TransferWorker(layout.block_bytes, num_threads=1)
+    register_cold_medium(worker, host, SlowDisk(tmp_path, FP, 1 << 20))
     t0 = time.perf_counter()
     for job in range(3):
-        worker.transfer_async(job, TransferSpec(Medium.HOST, Medium.DISK, [BlockTransfer(job, job)]))
+        worker.transfer_async(job, TransferSpec(HostSlots([job]), DiskBlocks([job])))
     assert worker.get_finished() == []
     assert time.perf_counter() - t0 < 0.5 and worker.queue_depth == 3
     gate.set()
     assert all(r.success for r in finished(worker, 3).values())
     worker.shutdown()
+
+
+def test_copy_blocks_moves_runs_and_lone_blocks_whole():
+    layout = KVLayout(2, 2, 8, 4, "int8", "int8")  # two pool tensors: data and scales
+    pool = DevicePool.allocate(layout, num_blocks=8)
+    fill(pool)
+    slab = torch.zeros(6, layout.block_bytes, dtype=torch.uint8)
+    ids, slots = [2, 3, 4, 7, 0], [1, 2, 3, 0, 5]  # a run of three, then two lone blocks
+    pool.copy_blocks(ids, slab, slots, to_device=False)
+    for b, s in zip(ids, slots, strict=True):
+        for view, t in zip(pool.payload_views(slab[s]), pool.tensors, strict=True):
+            assert torch.equal(view.view(torch.uint8), t[b].view(torch.uint8))
+    before = [t.clone() for t in pool.tensors]
+    pool.copy_blocks([5, 6, 1], slab, [1, 2, 0], to_device=True)  # a run of two, then one
+    for t, old in zip(pool.tensors, before, strict=True):
+        assert torch.equal(t[5].view(torch.uint8), old[2].view(torch.uint8))
+        assert torch.equal(t[6].view(torch.uint8), old[3].view(torch.uint8))
+        assert torch.equal(t[1].view(torch.uint8), old[7].view(torch.uint8))
+        assert torch.equal(t[0], old[0]) and torch.equal(t[4], old[4])

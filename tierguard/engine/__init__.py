@@ -1,17 +1,26 @@
 """tierguard's inference engine, in the spirit of nano-vllm (one job per module).
 
-api.py           the contract with front ends (SamplingParams, RequestOutput, AsyncEngine)
-config.py        EngineConfig
-sequence.py      per-request state
-prefix_hash.py   chained content hashes of full KV blocks (+ model/dtype fingerprint)
-block_pool.py    physical blocks: free / cached (LRU) / used, ref counts, on_evict hook
-block_manager.py block tables and prefix caching on top of the pool
-scheduler.py     continuous batching, chunked prefill, preemption by recompute
-model_runner.py  schedule -> tensors (slots, block tables, positions) -> model; owns kv_cache
-sampler.py       greedy / temperature / top-k / top-p / seeds, batched
-detokenizer.py   incremental detokenization and stop strings
-llm_engine.py    sync engine: add_request / step / abort, stats, step listeners
-async_engine.py  AsyncLLMEngine: engine thread + asyncio delivery
-factory.py       build an engine from a model directory and a memory budget
-speed.py         `python -m tierguard.engine.speed`: decode tokens/s probe
+Request path: api -> llm_engine.step(): connector.poll -> scheduler.schedule ->
+model_runner.run -> sampler -> detokenizer; tiers are reached only through the KV
+connector (tierguard/kv/connector.py). See docs/architecture.md.
+
+api.py              the contract with front ends (SamplingParams, RequestOutput, EngineStats, AsyncEngine)
+config.py           EngineConfig, validated at construction
+sequence.py         per-request state (token ids, block table, counters)
+prefix_hash.py      chained content hashes of full KV blocks, salted by the model fingerprint
+block_pool.py       physical blocks: free / cached (LRU) / used, ref counts, eviction record
+block_manager.py    block tables and prefix caching on top of the pool
+scheduler.py        continuous batching, chunked prefill, preemption by recompute; connector hooks
+admission.py        admission policies: FIFO, or the cold contract's class order with tiers
+model_runner.py     schedule -> tensors (slots, block tables, positions) -> model; owns the KV pool
+sampler.py          greedy / temperature / top-k / top-p / seeds, batched
+detokenizer.py      incremental detokenization and stop strings
+llm_engine.py       sync engine: add_request / step / abort, stats, step listeners; builds the connector
+async_engine.py     AsyncLLMEngine: engine thread + asyncio delivery
+factory.py          build an engine from a model directory and a memory budget
+weight_offload.py   decoder layers kept in host memory and streamed in per step (its own budget)
+kv_quality.py       greedy agreement and attention error of a quantized KV pool vs the model dtype
+naive_scheduler.py  BENCHMARK ONLY (--kv-naive-sync-disk): demand-paging scheduler, disk read in decode
+naive_pager.py      BENCHMARK ONLY: pages running sequences out to disk and back for naive_scheduler
+speed.py            `python -m tierguard.engine.speed`: decode tokens/s probe
 """

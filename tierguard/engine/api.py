@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from tierguard.common.histogram import LatencyHistogram
+from tierguard.common.stats import flat
 
 
 @dataclass
@@ -74,13 +75,32 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens_total: int
     generation_tokens_total: int
-    extra: dict[str, float] = field(default_factory=dict)  # tier counters etc.
+    kv_blocks_cached: int = 0  # free blocks that still hold a prefix (evictable)
+    kv_block_evictions: int = 0  # cached blocks reused for other content, total
+    kv_block_size: int = 0
+    extra: dict[str, float] = field(default_factory=dict)  # further gauges (KV layout, weight offload)
+    # Typed tier signals (tierguard.kv.connector.TierStats) and the scheduling policy's own
+    # (e.g. the naive benchmark pager's); the metrics layer exports them as `kv_*`.
+    tiers: Any = None
+    policy: Any = None
     # Latencies the engine measures itself, e.g. KV transfers per route ("host_to_device").
     histograms: dict[str, LatencyHistogram] = field(default_factory=dict)
 
     @property
     def kv_usage(self) -> float:
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    def flat(self) -> dict[str, float]:
+        """Gauges and counters by metric name (without the `tierguard:engine_` prefix):
+        `extra`, the pool's block counters, and the typed tier and policy stats as `kv_*`."""
+        out = dict(self.extra)
+        out.update(
+            kv_blocks_cached=float(self.kv_blocks_cached),
+            kv_block_evictions=float(self.kv_block_evictions),
+            kv_block_size=float(self.kv_block_size),
+        )
+        out.update(flat(self.tiers, self.policy, prefix="kv_"))
+        return out
 
 
 class Tokenizer(Protocol):

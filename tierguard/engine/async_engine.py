@@ -23,6 +23,9 @@ from tierguard.engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 
+# Stats are taken after every step; tier percentiles are not free, so they may be this old.
+STATS_MAX_AGE_S = 0.1
+
 
 class EngineDeadError(RuntimeError):
     """The engine thread failed; in-flight requests get this exception."""
@@ -39,7 +42,6 @@ class AsyncLLMEngine:
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
-        engine.tier_stats_max_age_s = 0.1  # stats() runs after every step; tier percentiles are not free
         self._stats = engine.stats()  # refreshed by the engine thread after every step
         self._error: BaseException | None = None
 
@@ -111,12 +113,15 @@ class AsyncLLMEngine:
         return self._stats
 
     def tier_health(self) -> dict | None:
-        """The disk tier's state for /health (None without tiers); reads two plain fields."""
-        tiers = self.engine.tiers
-        if tiers is None:
+        """The cold tiers' state for /health (None without tiers): `healthy` overall, and
+        per medium `<name>_tier`, `<name>_healthy`, `<name>_reason`. Reads plain fields."""
+        media = self.engine.connector.health()
+        if media is None:
             return None
-        healthy, reason = tiers.disk_health
-        return {"disk_tier": tiers.store.disk is not None, "disk_healthy": healthy, "disk_reason": reason}
+        out: dict = {"healthy": all(ok for ok, _ in media.values())}
+        for name, (ok, reason) in media.items():
+            out.update({f"{name}_tier": True, f"{name}_healthy": ok, f"{name}_reason": reason})
+        return out
 
     def add_step_listener(self, fn: Callable[[StepStats], None]) -> None:
         """`fn` runs on the engine thread after every step; keep it cheap and thread-safe."""
@@ -132,7 +137,7 @@ class AsyncLLMEngine:
                     break
                 if engine.has_unfinished():
                     outputs = engine.step()
-                    self._stats = engine.stats()
+                    self._stats = engine.stats(STATS_MAX_AGE_S)
                     if outputs:
                         self._deliver(outputs)
             except Exception as exc:  # a bug or device failure: fail every request, keep no zombies
@@ -164,7 +169,7 @@ class AsyncLLMEngine:
                 out = self.engine.abort(rid)
                 if out is not None:
                     self._deliver([out])
-                    self._stats = self.engine.stats()
+                    self._stats = self.engine.stats(STATS_MAX_AGE_S)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Engine thread: hand outputs to their consumers' loops, one wake-up per loop."""

@@ -20,8 +20,8 @@ class PrefixMatch:
     block_ids: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)
     num_revived: int = 0  # hits that sit in the cached-free state (they leave the free count)
-    # Hashes of the full blocks after the first device miss, in order. A host/NVMe tier
-    # looks these up to extend the match (hook point; nothing consumes it yet).
+    # Hashes of the full blocks after the first device miss, in order: the KV connector
+    # looks these up in host RAM and the cold tiers to extend the match.
     missed_hashes: list[int] = field(default_factory=list)
 
 

@@ -7,14 +7,15 @@ Every block is in exactly one of three states:
                                      prefix-cache hit revives it without recompute
     used    ref > 0               -> owned by one or more running sequences
 
-`check_integrity()` verifies free + cached + used == total. Eviction calls `on_evict`
-before a block's contents are lost, which is where the host tier will copy it out.
+`check_integrity()` verifies free + cached + used == total. With `record_evictions`, the
+hash of every evicted cached block is kept until `take_evicted()`: the KV connector reads
+them once per step to count prefix blocks lost with no copy in a tier (copies are made
+when a sequence ends, never at eviction, which would have to delay the reuse).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -29,7 +30,7 @@ class CachedBlock:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, on_evict: Callable[[int, int], None] | None = None) -> None:
+    def __init__(self, num_blocks: int, record_evictions: bool = False) -> None:
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
         self.cached: list[CachedBlock | None] = [None] * num_blocks
@@ -37,8 +38,8 @@ class BlockPool:
         self._cached_free: OrderedDict[int, None] = OrderedDict()  # oldest first
         self._by_hash: dict[int, int] = {}
         self._num_used = 0
-        # on_evict(block_id, block_hash): called before a cached block is reused.
-        self.on_evict = on_evict
+        self.record_evictions = record_evictions
+        self._evicted: list[int] = []  # hashes evicted since take_evicted(), when recorded
         self.num_evictions = 0
 
     @property
@@ -128,12 +129,17 @@ class BlockPool:
             self.drop_cached(block_id)
         return len(oldest_first)
 
+    def take_evicted(self) -> list[int]:
+        """Hashes of the cached blocks evicted since the last call (empty unless recorded)."""
+        out, self._evicted = self._evicted, []
+        return out
+
     def _evict(self, block_id: int) -> None:
         entry = self.cached[block_id]
         if entry is None:
             return
-        if self.on_evict is not None:
-            self.on_evict(block_id, entry.block_hash)
+        if self.record_evictions:
+            self._evicted.append(entry.block_hash)
         del self._by_hash[entry.block_hash]
         self.cached[block_id] = None
         self.num_evictions += 1

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from tierguard.common.errors import TierguardError
+from tierguard.common.units import GIB
 
 
 @dataclass
@@ -15,10 +17,13 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024  # tokens per step (decodes + prefill chunks)
     max_model_len: int = 2048  # prompt + output limit per request
     enable_prefix_caching: bool = True
-    # Tiered KV store (tierguard/engine/tiers.py); off when both budgets are zero.
+    # Tiered KV store (tierguard/kv/connector.py); off when no budget is set.
     kv_host_gib: float = 0.0  # host-RAM tier budget
-    kv_disk_dir: str | None = None  # NVMe tier directory
+    kv_disk_dir: str | None = None  # NVMe tier directory (shorthand for kv_media["disk"])
     kv_disk_gib: float = 0.0  # NVMe tier budget
+    # Further cold media by registered name -> options (tierguard/kv/media.py); a new
+    # medium is configured here without a new engine setting.
+    kv_media: dict[str, dict[str, Any]] = field(default_factory=dict)
     ttft_budget_ms: dict[str, float] | None = None  # per request class; None: the contract's defaults
     naive_sync_disk: bool = False  # benchmark only: spill running sequences to disk, read back in-step
     kv_dtype: str = "auto"  # device KV pool: auto (model dtype), fp8 or int8 (+ per-token-head scales)
@@ -38,7 +43,15 @@ class EngineConfig:
 
     @property
     def tiers_enabled(self) -> bool:
-        return self.kv_host_gib > 0 or (self.kv_disk_dir is not None and self.kv_disk_gib > 0)
+        return self.kv_host_gib > 0 or bool(self.media_options())
+
+    def media_options(self) -> dict[str, dict[str, Any]]:
+        """Cold media in lookup order: the disk shorthand first, then `kv_media`."""
+        media: dict[str, dict[str, Any]] = {}
+        if self.kv_disk_dir is not None and self.kv_disk_gib > 0:
+            media["disk"] = {"dir": self.kv_disk_dir, "capacity_bytes": int(self.kv_disk_gib * GIB)}
+        media.update(self.kv_media)
+        return media
 
     def validate_tiers(self) -> None:
         """Tier settings; called by LLMEngine (kept apart from __post_init__'s core checks)."""

@@ -93,6 +93,7 @@ def build_engine(
     kv_host_gib: float = 0.0,
     kv_disk_dir: str | None = None,
     kv_disk_gib: float = 0.0,
+    kv_media: dict[str, dict] | None = None,
     ttft_budget_ms: dict[str, float] | None = None,
     naive_sync_disk: bool = False,
     model_name: str | None = None,
@@ -143,9 +144,10 @@ def build_engine(
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
         enable_prefix_caching=enable_prefix_caching,
-        kv_host_gib=kv_host_gib,  # tiered KV store: tierguard/engine/tiers.py
+        kv_host_gib=kv_host_gib,  # tiered KV store: tierguard/kv/connector.py
         kv_disk_dir=None if kv_disk_dir is None else str(kv_disk_dir),
         kv_disk_gib=kv_disk_gib,
+        kv_media=dict(kv_media or {}),  # further cold media by registered name: tierguard/kv/media.py
         ttft_budget_ms=ttft_budget_ms,
         naive_sync_disk=naive_sync_disk,
         kv_dtype=kv_dtype,

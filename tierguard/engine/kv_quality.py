@@ -44,7 +44,7 @@ def greedy_trace(
     bs = runner.block_size
     seq = Sequence("kv-quality", prompt, SamplingParams(max_tokens=steps, temperature=0.0), 0.0)
     seq.block_table = list(range(-(-(len(prompt) + steps) // bs)))
-    if len(seq.block_table) > runner.kv_cache.shape[2]:
+    if len(seq.block_table) > runner.kv_cache.shape[0]:
         raise ValueError("the runner's pool is too small for prompt + steps")
     tokens: list[int] = []
     rows: list[torch.Tensor] = []

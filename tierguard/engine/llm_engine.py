@@ -1,8 +1,12 @@
 """The synchronous engine: add_request / step / abort.
 
-`step()` is schedule -> run the model -> sample -> postprocess (append tokens, detect
-stops, publish computed blocks to the prefix cache, free finished sequences). It is not
-thread-safe; AsyncLLMEngine drives it from a single thread.
+`step()` is poll the KV connector -> schedule -> run the model -> sample -> postprocess
+(append tokens, detect stops, publish computed blocks to the prefix cache, free finished
+sequences). It is not thread-safe; AsyncLLMEngine drives it from a single thread.
+
+Tiers reach the engine only through the KV connector (tierguard/kv/connector.py), built
+here from the config and handed to the scheduler; `--kv-naive-sync-disk` selects the
+benchmark's paging scheduler (naive_scheduler.py) instead of the production one.
 """
 
 from __future__ import annotations
@@ -13,20 +17,29 @@ from collections.abc import Callable
 import torch
 
 from tierguard.common.errors import TierguardError
+from tierguard.common.units import GIB
+from tierguard.engine.admission import ContractAdmission, FifoAdmission
 from tierguard.engine.api import EngineStats, RequestOutput, SamplingParams, StepStats, Tokenizer
 from tierguard.engine.block_manager import BlockManager
 from tierguard.engine.block_pool import BlockPool
 from tierguard.engine.config import EngineConfig
 from tierguard.engine.detokenizer import IncrementalDetokenizer
 from tierguard.engine.model_runner import ModelRunner
-from tierguard.engine.prefix_hash import model_fingerprint
 from tierguard.engine.sampler import make_generator, sample
 from tierguard.engine.scheduler import Scheduler
 from tierguard.engine.sequence import FINISH_REASONS, Sequence, SequenceStatus
-from tierguard.engine.tiers import IDLE_SLEEP_S, EngineTiers
+from tierguard.kv.connector import KVConnector, NoConnector, TierOptions
+from tierguard.kv.contract import ColdContract
+from tierguard.kv.faults import FaultInjector
 from tierguard.kv.guard import decode_guard
+from tierguard.kv.spec import fingerprint, fingerprint_salt
+from tierguard.kv.tiered_connector import TieredConnector
 from tierguard.model.config import ModelConfig
 from tierguard.model.llama import LlamaModel
+
+# While a load or a transfer is the only work, a step sleeps this long instead of
+# spinning (the engine never waits *for* a transfer; it just idles).
+IDLE_SLEEP_S = 0.0005
 
 
 class LLMEngine:
@@ -40,32 +53,26 @@ class LLMEngine:
         device: torch.device,
         model_name: str = "model",
         weights_id: str = "",
+        faults: FaultInjector | None = None,  # tests: injected tier I/O failures and delays
     ) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.config = config
         self.model_name = model_name
-        fingerprint = model_fingerprint(
-            vars(model_config),
-            # A quantized pool's blocks are not interchangeable with model-dtype ones.
-            str(dtype) if config.kv_dtype == "auto" else f"{dtype}+kv-{config.kv_dtype}",
-            config.block_size,
-            weights_id or model_name,
-        )
-        self.pool = BlockPool(config.num_blocks)
-        self.block_manager = BlockManager(
-            self.pool, config.block_size, fingerprint, config.enable_prefix_caching
-        )
-        self.scheduler = Scheduler(config, self.block_manager)
+        config.validate_tiers()
         self.runner = ModelRunner(
             model, model_config, config.num_blocks, config.block_size, dtype, device, kv_dtype=config.kv_dtype
         )
-        self.tiers: EngineTiers | None = None
-        self.tier_stats_max_age_s = 0.0  # the async engine, which asks after every step, raises it
-        config.validate_tiers()
-        if config.tiers_enabled:
-            self.tiers = _make_tiers(self, weights_id or model_name)
-            self.scheduler.tiers = self.tiers
+        # One fingerprint (model, config, weights id, KV layout incl. dtype, quantization and
+        # block size) salts the prefix hashes and names the tiers' blocks.
+        self.fingerprint = fingerprint(weights_id or model_name, self.runner.kv_layout, vars(model_config))
+        self.pool = BlockPool(config.num_blocks, record_evictions=config.tiers_enabled)
+        self.block_manager = BlockManager(
+            self.pool, config.block_size, fingerprint_salt(self.fingerprint), config.enable_prefix_caching
+        )
+        self.contract: ColdContract | None = None  # the cold contract, when tiers are on
+        self.connector = self._make_connector(faults)
+        self.scheduler = self._make_scheduler()
         self.eos_ids = set(model_config.eos_token_ids)
         if tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
@@ -131,31 +138,49 @@ class LLMEngine:
         seq.status = SequenceStatus.FINISHED_ABORTED
         return self._finish(seq, [])
 
+    def _make_connector(self, faults: FaultInjector | None) -> KVConnector:
+        config = self.config
+        if not config.tiers_enabled:
+            return NoConnector()
+        options = TierOptions(int(config.kv_host_gib * GIB), config.media_options(), config.ttft_budget_ms)
+        self.contract = ColdContract(options.ttft_budget_ms)
+        pool, device_pool = self.pool, self.runner.device_pool
+        return TieredConnector.create(
+            pool, device_pool, config.block_size, self.fingerprint, options, self.contract, faults
+        )
+
+    def _make_scheduler(self) -> Scheduler:
+        config, bm = self.config, self.block_manager
+        if config.naive_sync_disk:  # benchmark only: the failure mode the contract prevents
+            from tierguard.engine.naive_scheduler import make_naive_scheduler
+
+            return make_naive_scheduler(config, bm, self.connector, self.runner.device_pool, self.fingerprint)
+        if self.contract is not None:
+            return Scheduler(config, bm, self.connector, ContractAdmission(bm, self.contract))
+        return Scheduler(config, bm, self.connector, FifoAdmission())
+
     def has_unfinished(self) -> bool:
         """Also True while tier transfers are in flight, so their completions are polled
         (a finished request's write-behind to disk is submitted from poll())."""
-        return self.scheduler.has_work() or (self.tiers is not None and self.tiers.busy())
+        return self.scheduler.has_work() or self.connector.busy()
 
     def close(self) -> None:
         """Finish in-flight tier writes (bounded) and stop the transfer workers."""
-        if self.tiers is not None:
-            self.tiers.close()
+        self.connector.close()
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         started = time.monotonic()
-        if self.tiers is not None:
-            # Never waits: finished transfers only; loads that arrived rejoin the queue.
-            for seq in self.tiers.poll():
-                self.scheduler.requeue_front(seq)
-        # The cold contract's enforcement: nothing below may read the disk tier (the
-        # naive benchmark mode's tier counts such reads instead of refusing them).
+        # Never waits: finished transfers only; loads that arrived rejoin the queue.
+        for seq in self.connector.poll().finished_loads:
+            self.scheduler.requeue_front(seq)
+        # The cold contract's enforcement: nothing below may read the disk tier.
         with decode_guard():
             sched = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
         # Classified before postprocessing moves num_computed_tokens.
         prefills = [s for s in sched.scheduled if s.seq.is_prefill]
-        if not sched.scheduled and self.tiers is not None and self.tiers.busy():
+        if not sched.scheduled and self.connector.busy():
             time.sleep(IDLE_SLEEP_S)  # only loads/transfers outstanding: idle, do not spin
         if sched.scheduled:
             with decode_guard():
@@ -186,7 +211,7 @@ class LLMEngine:
             num_preempted=len(sched.preempted),
         )
         # An idle poll while only tier transfers are in flight is not a step worth a sample.
-        idle_poll = self.tiers is not None and not sched.scheduled and not sched.preempted
+        idle_poll = self.config.tiers_enabled and not sched.scheduled and not sched.preempted
         for fn in [] if idle_poll else self._listeners:
             fn(stats)
         return outputs
@@ -228,7 +253,10 @@ class LLMEngine:
     def add_step_listener(self, fn: Callable[[StepStats], None]) -> None:
         self._listeners.append(fn)
 
-    def stats(self) -> EngineStats:
+    def stats(self, max_age_s: float = 0.0) -> EngineStats:
+        """A snapshot. Tier percentiles sort latency windows; a caller that asks after every
+        step (the async engine) accepts tier values up to `max_age_s` old."""
+        tiers = self.connector.stats(max_age_s)
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -239,15 +267,13 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
-            extra={
-                "kv_blocks_cached": float(self.pool.num_cached_free),
-                "kv_block_evictions": float(self.pool.num_evictions),
-                "kv_block_size": float(self.config.block_size),
-                **self.runner.extra_stats(),  # KV bytes/token, weight offload gauges
-                # kv_* tier and contract counters
-                **(self.tiers.stats(self.tier_stats_max_age_s) if self.tiers is not None else {}),
-            },
-            histograms=self.tiers.store.worker.latency_histograms() if self.tiers is not None else {},
+            kv_blocks_cached=self.pool.num_cached_free,
+            kv_block_evictions=self.pool.num_evictions,
+            kv_block_size=self.config.block_size,
+            extra=self.runner.extra_stats(),  # KV bytes/token, weight offload gauges
+            tiers=tiers,
+            policy=self.scheduler.stats(),
+            histograms=tiers.latency if tiers is not None else {},
         )
 
     def check_integrity(self) -> None:
@@ -257,9 +283,8 @@ class LLMEngine:
         for seq in self.scheduler.running:
             for b in seq.block_table:
                 refs[b] = refs.get(b, 0) + 1
-        if self.tiers is not None:  # loading sequences' blocks and in-flight transfer pins
-            for b, n in self.tiers.held_refs().items():
-                refs[b] = refs.get(b, 0) + n
+        for b, n in self.connector.held_refs().items():  # loads and in-flight transfers
+            refs[b] = refs.get(b, 0) + n
         for b, r in enumerate(self.pool.ref_counts):
             if r != refs.get(b, 0):
                 raise RuntimeError(f"block {b}: ref count {r} but {refs.get(b, 0)} owners")
@@ -278,10 +303,3 @@ class LLMEngine:
                     pending.discard(out.request_id)
         return [results[rid] for rid in ids]
 
-
-def _make_tiers(engine: LLMEngine, model_id: str) -> EngineTiers:
-    """The tier store over the runner's device pool, keyed by model and KV layout."""
-    from tierguard.kv.spec import fingerprint
-
-    runner = engine.runner
-    return EngineTiers(engine.config, engine.pool, runner.device_pool, fingerprint(model_id, runner.kv_layout))

@@ -1,9 +1,9 @@
 """Turns a schedule into tensors and runs the model over the paged KV cache.
 
 Owns the device KV pool (`device_pool`, a tierguard.kv.spec.DevicePool): the KV tensor
-`kv_cache` ([layers, 2, blocks, block_size, kv_heads, head_dim]; see
+`kv_cache` ([blocks, layers, 2, block_size, kv_heads, head_dim], blocks first; see
 tierguard/model/attention.py) and, when `kv_dtype` is fp8 or int8, the parallel scale
-tensor `kv_scale` ([layers, 2, blocks, block_size, kv_heads], float32). Both are indexed
+tensor `kv_scale` ([blocks, layers, 2, block_size, kv_heads], float32). Both are indexed
 by the same block id, so the tiers move a block's quantized bytes and its scales
 together. Knows nothing about scheduling policy.
 """

@@ -1,10 +1,10 @@
 """`--kv-naive-sync-disk`: NVMe used as an extension of VRAM (benchmark only).
 
 This is the failure mode the cold contract exists to prevent, built so it can be
-measured side by side. When the device pool runs short, the scheduler does not stop
-admitting and does not preempt: it *pages out* the newest running sequence, writing
-all of its blocks to the disk tier on the engine thread, and the sequence stays in the
-running set. When its turn comes in a later step, its blocks are read back
+measured side by side; naive_scheduler.py drives it. When the device pool runs short,
+the scheduler does not stop admitting and does not preempt: it *pages out* the newest
+running sequence, writing all of its blocks to disk on the engine thread, and the
+sequence stays in the running set. When its turn comes in a later step, its blocks are read back
 synchronously inside that step (paging out someone else if needed) before the model
 runs. With a working set larger than the pool, every step writes and reads blocks on
 the decode path; each such read is counted by the disk tier (`reads_in_decode`) and
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import xxhash
 
+from tierguard.common.stats import counter, gauge
 from tierguard.engine.block_pool import BlockPool
 from tierguard.engine.sequence import Sequence
 from tierguard.kv.naive import NaiveSyncDisk
@@ -31,6 +32,21 @@ class PagerCounters:
     page_outs: int = 0
     page_ins: int = 0
     failed_page_ins: int = 0
+
+
+@dataclass
+class NaivePagerStats:
+    """Exported with the prefix `kv_naive_`."""
+
+    page_outs: int = counter("Running sequences paged out to disk (naive mode).", "naive_page_outs")
+    page_ins: int = counter("Paged-out sequences read back inside a step.", "naive_page_ins")
+    failed_page_ins: int = counter("Page-ins that lost a block (recomputed).", "naive_failed_page_ins")
+    paged_out_seqs: int = gauge("Sequences paged out now.", "naive_paged_out_seqs")
+    spills: int = counter("Blocks written synchronously by the engine thread.", "naive_spills")
+    sync_reads: int = counter("Blocks read synchronously by the engine thread.", "naive_sync_reads")
+    stall_ms: float = counter("Engine-thread time blocked on naive disk I/O, ms.", "naive_stall_ms")
+    uncached_spills: int = counter("Spilled blocks dropped from the page cache.", "naive_uncached_spills")
+    reads_in_decode: int = counter("Disk reads done inside a decode step.", "naive_reads_in_decode")
 
 
 def _tail_key(seq: Sequence, index: int) -> int:
@@ -100,16 +116,17 @@ class NaivePager:
     def forget(self, seq: Sequence) -> None:
         self.paged.pop(seq.seq_id, None)
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> NaivePagerStats:
         n = self.disk.counters
-        return {
-            "kv_naive_page_outs": float(self.counters.page_outs),
-            "kv_naive_page_ins": float(self.counters.page_ins),
-            "kv_naive_failed_page_ins": float(self.counters.failed_page_ins),
-            "kv_naive_paged_out_seqs": float(len(self.paged)),
-            "kv_naive_spills": float(n.spills),
-            "kv_naive_sync_reads": float(n.restores),
-            "kv_naive_stall_ms": 1000 * n.stall_s,
+        return NaivePagerStats(
+            page_outs=self.counters.page_outs,
+            page_ins=self.counters.page_ins,
+            failed_page_ins=self.counters.failed_page_ins,
+            paged_out_seqs=len(self.paged),
+            spills=n.spills,
+            sync_reads=n.restores,
+            stall_ms=1000 * n.stall_s,
             # Spilled blocks whose page-cache copy was dropped: their reads wait for the device.
-            "kv_naive_uncached_spills": float(n.dropped),
-        }
+            uncached_spills=n.dropped,
+            reads_in_decode=self.disk.disk.stats().reads_in_decode,
+        )

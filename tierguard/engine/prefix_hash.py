@@ -1,29 +1,18 @@
-"""Content hashes of KV blocks, for prefix caching and (later) the host/NVMe tiers.
+"""Content hashes of KV blocks, for prefix caching and the host/NVMe tiers.
 
 A block's hash chains its parent's hash with its own token ids, so equal hashes mean an
-equal whole prefix. The first block is chained to a fingerprint of the model, its dtype
-and the block size: KV computed by another model or dtype never matches. Only FULL
-blocks are hashed; a partial block's contents are still changing.
+equal whole prefix. The first block is chained to the model's fingerprint
+(`tierguard.kv.spec.fingerprint`, as `fingerprint_salt`): KV computed by another model,
+dtype, KV quantization or block size never matches. Only FULL blocks are hashed; a
+partial block's contents are still changing. The tiers key blocks by these same hashes.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 
 import numpy as np
 import xxhash
-
-
-def model_fingerprint(model_config: dict, dtype: str, block_size: int, weights_id: str = "") -> int:
-    """A 64-bit salt for the first block's hash. `weights_id` tells apart checkpoints of
-    identical shape (e.g. the model directory's name plus the weights' size and mtime)."""
-    blob = json.dumps(
-        {"config": model_config, "dtype": dtype, "block_size": block_size, "weights": weights_id},
-        sort_keys=True,
-        default=str,
-    )
-    return xxhash.xxh3_64_intdigest(blob.encode())
 
 
 def block_hash(parent: int, token_ids: Sequence[int]) -> int:

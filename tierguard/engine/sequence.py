@@ -8,10 +8,7 @@ from tierguard.engine.api import SamplingParams
 
 
 class SequenceStatus(Enum):
-    WAITING = auto()  # queued, holds no blocks
-    # Reserved for the tier store: admitted, but some prefix blocks are still being
-    # loaded from host/NVMe; the scheduler skips it until they are resident.
-    LOADING = auto()
+    WAITING = auto()  # queued (or waiting for a KV load), holds no blocks
     RUNNING = auto()
     FINISHED_STOPPED = auto()
     FINISHED_LENGTH = auto()
@@ -62,7 +59,6 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.num_preemptions = 0
         self.queued_at = arrival  # when it last entered the waiting queue (admission aging)
-        self.tier_checked = False  # host/disk tiers already consulted for this stage of work
         self.generator = None  # torch.Generator when params.seed is set
 
     def __len__(self) -> int:

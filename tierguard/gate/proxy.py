@@ -22,8 +22,9 @@ from tierguard.gate.reqlog import RequestRecord
 from tierguard.gate.state import GateState
 from tierguard.gate.tokens_fit import chat_bytes, text_bytes
 from tierguard.gate.trim import can_trim, trim_messages
+from tierguard.kv.contract import CLASS_HEADER, CLASS_HEADER_ALIAS
 
-PRIORITY_HEADER = "X-Tierguard-Priority"
+PRIORITY_HEADER = CLASS_HEADER  # the one request-class header; CLASS_HEADER_ALIAS also accepted
 ASYNC_HEADER = "X-Tierguard-Async"
 ASYNC_FLAG = "tierguard_async"  # body field; removed before forwarding
 
@@ -50,7 +51,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         rec.stream = bool(body.get("stream"))
         if state.reqlog.log_prompts:
             rec.prompt = json.dumps(body.get("messages") if chat else body.get("prompt"))[:10_000]
-        priority = request.headers.get(PRIORITY_HEADER, "interactive").lower()
+        priority = (request.headers.get(PRIORITY_HEADER) or request.headers.get(CLASS_HEADER_ALIAS) or "interactive").lower()
         if priority not in ("interactive", "batch"):
             return _done(state, rec, arrived, error_response(
                 400, f"{PRIORITY_HEADER} must be 'interactive' or 'batch'"), "bad_request")

@@ -1,15 +1,32 @@
 """Tiered KV store and the cold contract.
 
 Tiers: device pool (hot KV of running sequences only) -> host RAM (`HostTier`, a bounded
-slab, LRU) -> NVMe (`DiskTier`, one checksummed file per block). Policy (`OffloadManager`,
-`ColdContract`) is kept apart from mechanism (`TransferWorker`); `KVTierStore` chains them
-for the engine.
+slab) -> cold media (`DiskTier`, one checksummed file per block; more by registration).
+The engine talks only to the connector; policy (manager, LRU, contract) is kept apart
+from mechanism (transfer worker, copy handlers, media). See docs/architecture.md.
+
+connector.py      the engine's one object: get_num_matched / start_load / offload / poll / abort
+contract.py       the cold contract: classes, TTFT budgets, staging deadlines, class order, decisions
+manager.py        KVManager (lookup / prepare_load / complete_load / prepare_store / ... / touch)
+lru.py            eviction policy, apart from the storage it protects
+host_tier.py      host-RAM slab: slots, two-phase pins
+media.py          block specs per medium, the ColdMedium interface, the medium registry
+disk_tier.py      the "disk" medium: atomic checksummed block files, byte budget, restart scan
+block_format.py   a stored block, medium-neutral: header, checksum, codec (encryption hook)
+disk_format.py    block file names, directory scan, raw file I/O
+transfer.py       transfer worker: jobs routed by (source spec, destination spec) to handlers
+copy_handlers.py  device <-> host (batched, contiguous) and host <-> cold medium handlers
+spec.py           KV layout (blocks first), device pool, the one model fingerprint
+guard.py          the decode guard: a disk read inside a decode step raises ColdContractViolation
+faults.py         fault injection for tests (errors and delays at real I/O points)
+quant.py          fp8 / int8 KV quantization and its error
+naive.py          BENCHMARK ONLY: synchronous spill/restore for --kv-naive-sync-disk
 
 The contract, answering R4's questions:
 
 - What goes to disk: only full prefix blocks worth reusing (shared system prompts,
-  documents, the turns of a saved session) - the engine offloads them with
-  `persist=True`. State of preempted running sequences goes to host RAM only. Keys are
+  documents, the turns of a saved session): the blocks of a finished sequence, written
+  behind the answer. State of preempted running sequences goes to host RAM only. Keys are
   (fingerprint, chained block hash); the fingerprint covers model, dtype, quantization,
   block size and layout, so another model never reads these blocks.
 - When it is cold: anything on disk is cold. It is read only as staging when a stage of

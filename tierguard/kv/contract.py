@@ -1,4 +1,9 @@
-"""The cold contract as policy: request classes, staging deadlines and what to do on a miss.
+"""The cold contract, in one module: request classes, their budgets, staging deadlines, the
+order classes are admitted in, and what to do on a miss.
+
+The connector (connector.py) consults it for deadlines and miss decisions; the engine's
+admission policy (tierguard/engine/admission.py) consults it for the class order. Nothing
+else knows a class's budget.
 
 Disk staging happens only when a stage of work begins (admission, or the start of a new
 turn of a saved session). Its deadline is a share of the request class's TTFT budget,
@@ -13,6 +18,15 @@ When staging misses its deadline (or a block fails to arrive):
 - batch: keep waiting for the staged blocks; batch tolerates delay and recomputing would
   steal compute from interactive work.
 Every decision is counted per class and action and logged with its reason.
+
+Class order at admission (with tiers): an interactive request within LOOKAHEAD of the
+head of the queue goes before batch ones; a request that has waited past its own class's
+TTFT budget is overtaken by no one (nothing starves), and while it is within budget a
+smaller request that fits may pass it. An interactive request that waits for room a
+running batch sequence holds makes that sequence yield (it is swapped to host RAM).
+
+The request-class header is `X-Tierguard-Priority` in the gate and in serve; serve's
+older `X-Tierguard-Class` request header is still accepted.
 """
 
 from __future__ import annotations
@@ -24,6 +38,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tierguard.common.errors import TierguardError
+from tierguard.common.stats import counter
 
 log = logging.getLogger("tierguard.kv.contract")
 
@@ -31,7 +46,11 @@ INTERACTIVE = "interactive"
 BATCH = "batch"
 REQUEST_CLASSES = (INTERACTIVE, BATCH)
 DEFAULT_TTFT_BUDGET_MS = {INTERACTIVE: 1000.0, BATCH: 30000.0}
-CLASS_HEADER = "x-tierguard-class"
+CLASS_HEADER = "X-Tierguard-Priority"  # the one request-class header (gate and serve)
+CLASS_HEADER_ALIAS = "X-Tierguard-Class"  # serve's older name, still accepted
+# How far behind the head of the queue admission looks for an interactive request, or for
+# a smaller one that fits while the head waits for room.
+LOOKAHEAD = 8
 
 # OpenAI's `service_tier` values and common `priority` spellings mapped to our classes.
 _ALIASES = {
@@ -53,6 +72,14 @@ _ALIASES = {
 class Decision:
     action: str  # "recompute" | "wait" | "async"
     reason: str
+
+
+@dataclass
+class ContractStats:
+    decisions: dict[str, int] = counter("Cold-contract decisions by class_action.", "contract_{key}", {})
+    deadline_misses: dict[str, int] = counter(
+        "Staging deadlines missed per request class.", "staging_deadline_misses_{key}", {}
+    )
 
 
 def parse_ttft_budgets(text: str) -> dict[str, float]:
@@ -83,8 +110,9 @@ def classify_request(body: Mapping[str, object] | None, headers: Mapping[str, st
     positive priority is batch.
     """
     if headers:
+        names = (CLASS_HEADER.lower(), CLASS_HEADER_ALIAS.lower())
         for key, value in headers.items():
-            if key.lower() == CLASS_HEADER and str(value).lower() in _ALIASES:
+            if key.lower() in names and str(value).lower() in _ALIASES:
                 return _ALIASES[str(value).lower()]
     body = body or {}
     for field in ("priority", "service_tier"):
@@ -121,6 +149,25 @@ class ColdContract:
         if request_class not in self.budgets:
             raise ValueError(f"unknown request class {request_class!r}")
         return self.budgets[request_class]
+
+    @staticmethod
+    def class_of(label: str) -> str:
+        """One of REQUEST_CLASSES for any label a request carries (unknown: interactive)."""
+        if label in REQUEST_CLASSES:
+            return label
+        return classify_request({"service_tier": label})
+
+    def overdue(self, label: str, queued_at: float, now: float) -> bool:
+        """Queued longer than its class's TTFT budget: from now on nothing overtakes it."""
+        return now - queued_at > self.budgets.get(self.class_of(label), 0.0) / 1000.0
+
+    def goes_first(self, label: str) -> bool:
+        """May overtake batch requests within LOOKAHEAD (and make a batch one yield room)."""
+        return self.class_of(label) != BATCH
+
+    def yields_room(self, label: str) -> bool:
+        """A running request of this class may be swapped out for a waiting one that goes first."""
+        return self.class_of(label) == BATCH
 
     def staging_deadline(self, request_class: str, started_at: float) -> float:
         """Monotonic time by which staged blocks must be on the device."""
@@ -162,10 +209,9 @@ class ColdContract:
         )
         return decision
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> ContractStats:
         with self._lock:
-            out = {f"kv_contract_{cls}_{action}": float(n) for (cls, action), n in self.decisions.items()}
-            out.update(
-                {f"kv_staging_deadline_misses_{cls}": float(n) for cls, n in self.deadline_misses.items()}
+            return ContractStats(
+                {f"{cls}_{action}": n for (cls, action), n in self.decisions.items()},
+                dict(self.deadline_misses),
             )
-        return out

@@ -1,56 +1,35 @@
-"""On-disk format of one block file, file names, and the raw file I/O the disk tier uses.
+"""Block files of the disk tier: names, the directory scan, and raw file I/O.
 
-Layout of `<root>/<fingerprint>/<hash:016x>.kvb`:
-
-    offset  size  field
-    0       4     magic b"TGKV"
-    4       2     format version (1)
-    6       2     header length (64)
-    8       16    fingerprint, ASCII hex
-    24      8     block hash (u64)
-    32      8     payload length in bytes (u64)
-    40      8     xxh3-64 of the payload
-    48      8     xxh3-64 of bytes 0..47 (a torn header fails here)
-    56      8     reserved, zero
-    64      ...   payload (the block's bytes as the host tier holds them)
-
-The payload starts on a 64-byte boundary so it can be read straight into a slot.
-Temporary files are `.tmp-<hash:016x>-<pid>-<seq>`; a dead writer's pid marks them as
-leftovers of a kill -9 that the next start removes.
+`<root>/<fingerprint>/<hash:016x>.kvb` holds one block in the medium-neutral format of
+tierguard/kv/block_format.py (64-byte header, then the stored bytes). Temporary files are
+`.tmp-<hash:016x>-<pid>-<seq>`; a dead writer's pid marks them as leftovers of a kill -9
+that the next start removes.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import struct
-from dataclasses import dataclass
 
 import torch
-import xxhash
 
-MAGIC = b"TGKV"
-VERSION = 1
-HEADER_LEN = 64
-_HEAD = struct.Struct("<4sHH16sQQQ")  # fields up to the header checksum (48 bytes)
-_TAIL = struct.Struct("<QQ")  # header checksum, reserved
-U64_MAX = 2**64 - 1
+from tierguard.kv.block_format import HEADER_LEN, U64_MAX, BadHeader, decode_header
+
+__all__ = [
+    "HEADER_LEN",
+    "U64_MAX",
+    "OPEN_FLAGS",
+    "block_name",
+    "temp_name",
+    "as_buffer",
+    "read_all",
+    "scan_dir",
+]
+
 OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC  # never follow a symlink planted in the tier directory
 
 BLOCK_RE = re.compile(r"^([0-9a-f]{16})\.kvb$")
 TEMP_RE = re.compile(r"^\.tmp-([0-9a-f]{16})-(\d+)-(\d+)$")
-
-
-@dataclass(frozen=True)
-class Header:
-    fingerprint: str
-    block_hash: int
-    payload_len: int
-    payload_xxh3: int
-
-
-class BadHeader(ValueError):
-    """The header is torn, foreign or of another version; the file is not a usable block."""
 
 
 def block_name(block_hash: int) -> str:
@@ -59,33 +38,6 @@ def block_name(block_hash: int) -> str:
 
 def temp_name(block_hash: int, pid: int, seq: int) -> str:
     return f".tmp-{block_hash:016x}-{pid}-{seq}"
-
-
-def encode_header(h: Header) -> bytes:
-    head = _HEAD.pack(
-        MAGIC, VERSION, HEADER_LEN, h.fingerprint.encode("ascii"), h.block_hash, h.payload_len, h.payload_xxh3
-    )
-    return head + _TAIL.pack(xxhash.xxh3_64_intdigest(head), 0)
-
-
-def decode_header(raw: bytes) -> Header:
-    if len(raw) < HEADER_LEN:
-        raise BadHeader(f"short header ({len(raw)} bytes)")
-    head = raw[: _HEAD.size]
-    magic, version, header_len, fp, block_hash, payload_len, payload_xxh = _HEAD.unpack(head)
-    (head_xxh, _reserved) = _TAIL.unpack(raw[_HEAD.size : HEADER_LEN])
-    if magic != MAGIC:
-        raise BadHeader("bad magic")
-    if version != VERSION or header_len != HEADER_LEN:
-        raise BadHeader(f"unsupported version {version} / header length {header_len}")
-    if xxhash.xxh3_64_intdigest(head) != head_xxh:
-        raise BadHeader("header checksum mismatch")
-    return Header(
-        fingerprint=fp.decode("ascii", "replace"),
-        block_hash=block_hash,
-        payload_len=payload_len,
-        payload_xxh3=payload_xxh,
-    )
 
 
 def as_buffer(obj: torch.Tensor | bytes | bytearray | memoryview) -> memoryview:

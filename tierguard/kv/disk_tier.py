@@ -5,9 +5,10 @@ What it promises (the cold contract's disk half):
   caller decides what to store, this class makes sure whatever it stores is whole.
 - A write is atomic: temporary file (O_EXCL, 0600) -> write -> fdatasync -> rename ->
   fsync of the directory. A reader sees either the whole block or nothing.
-- Every failure is a miss: absent file, torn or foreign header, bad checksum, disk full
-  or any I/O error returns False and is counted; only `ColdContractViolation` (a read
-  from inside a decode step, a programming error) is raised.
+- Every failure is a miss: absent file, torn or foreign header, bad checksum, a block
+  the codec cannot decode, disk full or any I/O error returns False and is counted; only
+  `ColdContractViolation` (a read from inside a decode step, a programming error) is
+  raised, after it is counted in `reads_in_decode`.
 - Disk full (ENOSPC) or `max_consecutive_write_errors` failures in a row disable writes;
   `healthy` turns False with a `reason`; reads of existing blocks keep working.
 - The index is rebuilt on start by scanning the directory, so saved prefixes survive a
@@ -18,6 +19,10 @@ What it promises (the cold contract's disk half):
 
 All file operations go through a directory fd opened with O_NOFOLLOW and use fixed file
 names, so nothing is created outside the configured directory, even via symlinks.
+
+A file is a block in the format of block_format.py, written through a `BlockCodec`
+(identity unless one is configured). The tier is one `ColdMedium` (media.py), registered
+as "disk": the engine and the connector reach it only through that interface.
 """
 
 from __future__ import annotations
@@ -26,47 +31,58 @@ import errno
 import itertools
 import os
 import threading
-from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-import torch
-import xxhash
-
+from tierguard.common.stats import counter, gauge
+from tierguard.kv import block_format as blk
 from tierguard.kv import disk_format as fmt
 from tierguard.kv.faults import FaultInjector
 from tierguard.kv.guard import check_disk_read_allowed, decode_in_progress
+from tierguard.kv.lru import EvictionPolicy, LRUPolicy
+from tierguard.kv.media import Buffer, ColdMedium, KeyedBlocks, MediumContext, register_medium
 from tierguard.kv.spec import is_fingerprint
 
 _OPEN_FLAGS = fmt.OPEN_FLAGS
 _COUNTERS = (
-    "hits misses writes write_bytes read_bytes corrupt io_errors write_errors evictions "
+    "hits misses writes write_bytes read_bytes corrupt undecodable io_errors write_errors evictions "
     "rejected_writes reads_in_decode cleaned_on_start"
 ).split()
 
 
 @dataclass
+class DiskBlocks(KeyedBlocks):
+    medium = "disk"
+
+
+@dataclass
 class DiskTierStats:
-    capacity_bytes: int
-    used_bytes: int
-    num_blocks: int
-    hits: int
-    misses: int
-    writes: int
-    write_bytes: int
-    read_bytes: int
-    corrupt: int
-    io_errors: int
-    write_errors: int
-    evictions: int
-    rejected_writes: int
-    reads_in_decode: int
-    cleaned_on_start: int
-    healthy: bool
-    writes_enabled: bool
-    reason: str
+    capacity_bytes: int = gauge("Disk KV tier budget in bytes.", name="bytes_capacity")
+    used_bytes: int = gauge("Disk KV tier bytes in block files.", name="bytes_used")
+    num_blocks: int = gauge("Block files in the disk tier.", name="blocks")
+    hits: int = 0  # file reads that returned a whole block (the manager counts tier hits)
+    misses: int = 0
+    writes: int = counter("Block files written.")
+    write_bytes: int = counter("Bytes written to block files.")
+    read_bytes: int = counter("Bytes read from block files.")
+    corrupt: int = counter("Block files with a bad checksum or header, removed.")
+    undecodable: int = counter("Blocks the codec could not decode (e.g. another key); kept on disk.")
+    io_errors: int = counter("Disk reads that failed with an I/O error.")
+    write_errors: int = counter("Disk writes that failed.")
+    evictions: int = counter("Block files removed to stay within the budget.")
+    rejected_writes: int = counter("Writes refused (disabled, or larger than the budget).")
+    reads_in_decode: int = counter("Disk reads attempted inside a decode step (refused; a bug).")
+    cleaned_on_start: int = counter("Leftover or torn files removed at start-up.")
+    healthy: bool = gauge("1 while the disk tier is healthy.", default=True)
+    writes_enabled: bool = True
+    reason: str = ""
 
 
-class DiskTier:
+class DiskTier(ColdMedium):
+    name = "disk"
+    spec = DiskBlocks
+
     def __init__(
         self,
         root: str | os.PathLike[str],
@@ -74,7 +90,8 @@ class DiskTier:
         capacity_bytes: int,
         *,
         faults: FaultInjector | None = None,
-        allow_reads_in_decode: bool = False,
+        codec: blk.BlockCodec = blk.IDENTITY,
+        policy: EvictionPolicy | None = None,
         max_consecutive_write_errors: int = 3,
     ) -> None:
         if not is_fingerprint(fingerprint):
@@ -83,13 +100,14 @@ class DiskTier:
         self.fingerprint = fingerprint
         self.capacity_bytes = int(capacity_bytes)
         self.faults = faults or FaultInjector()
-        self.allow_reads_in_decode = allow_reads_in_decode
+        self.codec = codec
         self.max_consecutive_write_errors = max_consecutive_write_errors
         self.healthy = True
         self.writes_enabled = True
         self.reason = ""
         self._lock = threading.Lock()
-        self._index: OrderedDict[int, int] = OrderedDict()  # hash -> file bytes, LRU first
+        self._index: dict[int, int] = {}  # hash -> file bytes
+        self._lru: EvictionPolicy = policy if policy is not None else LRUPolicy()  # every indexed block
         self._used = 0
         self._reserved = 0  # bytes of writes in flight, counted against the budget
         self._seq = itertools.count()
@@ -127,8 +145,9 @@ class DiskTier:
         for name in leftovers:
             self._unlink(name)
         self._c["cleaned_on_start"] += len(leftovers)
-        for block_hash, size in blocks:
+        for block_hash, size in blocks:  # oldest first: the LRU order survives a restart
             self._index[block_hash] = size
+            self._lru.insert(block_hash)
             self._used += size
 
     def _probe_writable(self) -> None:
@@ -154,19 +173,20 @@ class DiskTier:
             return block_hash in self._index
 
     def payload_len(self, block_hash: int) -> int | None:
+        """Bytes a read of this block fills (the codec's input length), None if absent."""
         with self._lock:
             size = self._index.get(block_hash)
-        return None if size is None else size - fmt.HEADER_LEN
+        if size is None:
+            return None
+        return size - fmt.HEADER_LEN - (self.codec.stored_len(0))
 
     # ---- writes ----
 
-    def write(self, block_hash: int, payload: torch.Tensor | bytes | bytearray | memoryview) -> bool:
+    def write(self, block_hash: int, payload: Buffer) -> bool:
         """Store one block durably; False (counted) when it could not be stored."""
         return self.write_many([(block_hash, payload)])[0]
 
-    def write_many(
-        self, items: list[tuple[int, torch.Tensor | bytes | bytearray | memoryview]]
-    ) -> list[bool]:
+    def write_many(self, items: list[tuple[int, Buffer]]) -> list[bool]:
         """Store several blocks, each atomically, with one directory fsync for the batch."""
         results = [self._write_one(h, fmt.as_buffer(p)) for h, p in items]
         if any(results):
@@ -176,10 +196,10 @@ class DiskTier:
                 pass  # the files are whole; at worst a crash forgets a rename (a miss)
         return results
 
-    def _write_one(self, block_hash: int, mv: memoryview) -> bool:
+    def _write_one(self, block_hash: int, payload: memoryview) -> bool:
         if not 0 <= block_hash <= fmt.U64_MAX:
             raise ValueError(f"block hash must be an unsigned 64-bit int, got {block_hash}")
-        size = fmt.HEADER_LEN + mv.nbytes
+        size = fmt.HEADER_LEN + self.codec.stored_len(payload.nbytes)
         with self._lock:
             if not self.writes_enabled or self._dir_fd is None or size > self.capacity_bytes:
                 self._c["rejected_writes"] += 1
@@ -191,9 +211,8 @@ class DiskTier:
         for h in victims:
             self._unlink(fmt.block_name(h))
         tmp = fmt.temp_name(block_hash, os.getpid(), next(self._seq))
-        header = fmt.encode_header(
-            fmt.Header(self.fingerprint, block_hash, mv.nbytes, xxhash.xxh3_64_intdigest(mv))
-        )
+        mv = self.codec.encode(payload, blk.associated_data(self.fingerprint, block_hash))
+        header = blk.encode_header(blk.header_for(self.fingerprint, block_hash, mv, self.codec))
         try:
             self.faults.check("disk.write")
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600, dir_fd=self._dir_fd)
@@ -214,6 +233,7 @@ class DiskTier:
             # replaced its file, so count the bytes once.
             self._used += size - self._index.pop(block_hash, 0)
             self._index[block_hash] = size
+            self._lru.insert(block_hash)
             self._consecutive_write_errors = 0
             self._c["writes"] += 1
             self._c["write_bytes"] += size
@@ -243,7 +263,10 @@ class DiskTier:
         """Drop LRU entries from the index until `incoming` bytes fit; caller unlinks them."""
         victims = []
         while self._index and self._used + self._reserved + incoming > self.capacity_bytes:
-            h, size = self._index.popitem(last=False)
+            h = self._lru.pop_victim()
+            if h is None:
+                break
+            size = self._index.pop(h)
             self._used -= size
             victims.append(h)
             self._c["evictions"] += 1
@@ -251,17 +274,15 @@ class DiskTier:
 
     # ---- reads ----
 
-    def read_into(self, block_hash: int, out: torch.Tensor | bytearray | memoryview) -> bool:
+    def read_into(self, block_hash: int, out: Buffer) -> bool:
         """Fill `out` with the block's payload; False (counted) on any kind of miss.
 
-        Raises ColdContractViolation when called from inside a decode step (unless this
-        tier was built for the naive benchmark mode, where such reads are counted).
+        Raises ColdContractViolation (after counting it) when called from inside a decode
+        step: the cold contract's enforcement.
         """
         return self.read_many([(block_hash, out)])[0]
 
-    def read_many(
-        self, items: list[tuple[int, torch.Tensor | bytearray | memoryview]], ahead: int = 4
-    ) -> list[bool]:
+    def read_many(self, items: list[tuple[int, Buffer]], ahead: int = 4) -> list[bool]:
         """Read several blocks in order, asking the kernel for the next `ahead` files while
         reading the current one. Per-file reads otherwise wait for each file's first I/O
         with nothing queued behind it; prefetching measured 1.6x on single-threaded cold
@@ -283,12 +304,12 @@ class DiskTier:
         return results
 
     def _check_guard(self, n: int) -> None:
+        """Count, then refuse, a read from inside a decode step."""
         if not decode_in_progress():
             return
-        if not self.allow_reads_in_decode:
-            check_disk_read_allowed(f"{n} block(s)")
         with self._lock:
             self._c["reads_in_decode"] += n
+        check_disk_read_allowed(f"{n} block(s)")
 
     def _open_block(self, block_hash: int, prefetch: bool) -> tuple[int | None, str]:
         """(fd, "") or (None, counter naming the miss)."""
@@ -317,30 +338,38 @@ class DiskTier:
                     self._c["misses"] += 1
                 return False
             return self._miss(block_hash, why, unlink=False)
+        codec = self.codec
+        why = ""  # "" | "corrupt" (removed) | "undecodable" (kept: another key or codec may read it)
         try:
             head = bytearray(fmt.HEADER_LEN)
-            whole = fmt.read_all(fd, memoryview(head), dst)  # one I/O for header and payload
-            header = fmt.decode_header(bytes(head))
-            ok = whole and header.fingerprint == self.fingerprint and header.block_hash == block_hash
-            ok = (
-                ok
-                and header.payload_len == dst.nbytes
-                and os.fstat(fd).st_size == fmt.HEADER_LEN + dst.nbytes
-            )
-            ok = ok and xxhash.xxh3_64_intdigest(dst) == header.payload_xxh3
-        except fmt.BadHeader:
-            ok = False
+            direct = codec.codec_id == blk.IDENTITY_CODEC
+            # Identity: the stored bytes are the payload, read straight into `dst`.
+            stored = dst if direct else memoryview(bytearray(codec.stored_len(dst.nbytes)))
+            whole = fmt.read_all(fd, memoryview(head), stored)  # one I/O for header and payload
+            header = blk.decode_header(head)
+            if header.codec != codec.codec_id:
+                why = "undecodable"
+            elif not (
+                whole
+                and os.fstat(fd).st_size == fmt.HEADER_LEN + stored.nbytes
+                and blk.verify(header, self.fingerprint, block_hash, stored)
+            ):
+                why = "corrupt"
+            elif not direct:
+                aad = blk.associated_data(self.fingerprint, block_hash)
+                why = "" if codec.decode(stored, aad, dst, header.key_id) else "undecodable"
+        except blk.BadHeader:
+            why = "corrupt"
         except OSError:
             return self._miss(block_hash, "io_errors", unlink=False)
         finally:
             os.close(fd)
-        if not ok:
-            return self._miss(block_hash, "corrupt", unlink=True)
+        if why:
+            return self._miss(block_hash, why, unlink=why == "corrupt")
         with self._lock:
             self._c["hits"] += 1
             self._c["read_bytes"] += fmt.HEADER_LEN + dst.nbytes
-            if block_hash in self._index:
-                self._index.move_to_end(block_hash)
+            self._lru.touch(block_hash)
         return True
 
     def read(self, block_hash: int) -> bytes | None:
@@ -360,6 +389,7 @@ class DiskTier:
             size = self._index.pop(block_hash, None)
             if size is not None:
                 self._used -= size
+                self._lru.remove(block_hash)
         if unlink:
             self._unlink(fmt.block_name(block_hash))
         return False
@@ -371,6 +401,7 @@ class DiskTier:
             size = self._index.pop(block_hash, None)
             if size is not None:
                 self._used -= size
+                self._lru.remove(block_hash)
         if size is not None:
             self._unlink(fmt.block_name(block_hash))
         return size is not None
@@ -397,3 +428,13 @@ class DiskTier:
                 reason=self.reason,
                 **self._c,
             )
+
+
+def _create(ctx: MediumContext, options: Mapping[str, Any]) -> DiskTier:
+    """Options: `dir` (the tier's root directory) and `capacity_bytes`."""
+    return DiskTier(
+        options["dir"], ctx.fingerprint, int(options["capacity_bytes"]), faults=ctx.faults, codec=ctx.codec
+    )
+
+
+register_medium("disk", _create)

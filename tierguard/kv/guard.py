@@ -6,8 +6,12 @@ is per thread on purpose: staging reads run on the transfer worker's threads con
 with decode (that is the asynchronous path the contract asks for); what is forbidden is
 the decode thread itself touching the disk, directly or through a synchronous helper.
 
-The benchmark-only naive mode (`--kv-naive-sync-disk`) constructs its disk tier with
-`allow_reads_in_decode=True`; such reads are counted, never silent.
+The engine enters the guard around scheduling and around the model run of every step
+(tierguard/engine/llm_engine.py); `decode_depth()` lets a test assert, from inside a
+step, that it runs under the guard. The disk tier counts a refused read
+(`reads_in_decode`) before raising. The benchmark-only naive mode
+(`--kv-naive-sync-disk`) reads from its own spill tier (tierguard/kv/naive.py), which
+counts such reads instead of refusing them; the production disk tier has no switch.
 """
 
 from __future__ import annotations
@@ -28,9 +32,14 @@ class ColdContractViolation(RuntimeError):
 _state = threading.local()
 
 
+def decode_depth() -> int:
+    """How many `decode_guard()` blocks the calling thread is inside (0: none)."""
+    return getattr(_state, "depth", 0)
+
+
 def decode_in_progress() -> bool:
     """True while the calling thread is inside `decode_guard()`."""
-    return getattr(_state, "depth", 0) > 0
+    return decode_depth() > 0
 
 
 @contextmanager

@@ -1,4 +1,4 @@
-"""Host-RAM tier: a bounded slab of block slots with LRU eviction and two-phase pins.
+"""Host-RAM tier: a bounded slab of block slots, two-phase pins, and an eviction policy.
 
 Why a preallocated slab: the budget (`--kv-host-gib`) is reserved once and never grows,
 so the tier cannot creep into the RAM kept for the OS, page cache and bursts (R6). On CUDA
@@ -7,20 +7,24 @@ slab, never "all free RAM".
 
 Two-phase bookkeeping: an entry being written (`reserve` .. `finish_write`) or read
 (`begin_read` .. `finish_read`) has a reference count above zero and is never evicted or
-reused; only READY entries with no references are eviction candidates.
+reused; only READY entries with no references are eviction candidates, and the policy
+(`LRUPolicy` by default, tierguard/kv/lru.py) chooses among them.
 
 Invariants (see `check_integrity`): every slot is either free or owned by exactly one
-entry; a PENDING entry is not loadable; LRU order holds only READY entries.
+entry; a PENDING entry is not loadable; the policy holds exactly the READY, unreferenced
+entries.
 """
 
 from __future__ import annotations
 
 import enum
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+
+from tierguard.common.stats import counter, gauge
+from tierguard.kv.lru import EvictionPolicy, LRUPolicy
 
 
 class EntryState(enum.Enum):
@@ -46,18 +50,26 @@ class Reservation:
 
 @dataclass
 class HostTierStats:
-    capacity_bytes: int
-    used_bytes: int
-    num_slots: int
-    num_ready: int
-    num_pending: int
-    evictions: int
+    capacity_bytes: int = gauge("Host-RAM KV tier budget in bytes.", name="bytes_capacity")
+    used_bytes: int = gauge("Host-RAM KV tier bytes held (ready or being written).", name="bytes_used")
+    num_slots: int = 0
+    num_ready: int = 0
+    num_pending: int = 0
+    evictions: int = counter("Blocks evicted from host RAM to make room.")
 
 
 class HostTier:
     """Bounded host store keyed by block hash. Thread-safe; every call is O(1) amortized."""
 
-    def __init__(self, capacity_bytes: int, block_bytes: int, pin_memory: bool | None = None) -> None:
+    name = "host"
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        block_bytes: int,
+        pin_memory: bool | None = None,
+        policy: EvictionPolicy | None = None,
+    ) -> None:
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
         self.block_bytes = block_bytes
@@ -69,7 +81,7 @@ class HostTier:
         self.pinned = bool(pin_memory)
         self._free: list[int] = list(range(self.num_slots - 1, -1, -1))
         self._entries: dict[int, _Entry] = {}
-        self._lru: OrderedDict[int, None] = OrderedDict()  # READY and unreferenced, oldest first
+        self._lru: EvictionPolicy = policy if policy is not None else LRUPolicy()  # READY, unreferenced
         self._lock = threading.Lock()
         self.evictions = 0
 
@@ -107,9 +119,9 @@ class HostTier:
                 return None
             evicted: list[int] = []
             if not self._free:
-                if not self._lru:
+                victim = self._lru.pop_victim()
+                if victim is None:
                     return None
-                victim, _ = self._lru.popitem(last=False)
                 victim_entry = self._entries.pop(victim)
                 self._free.append(victim_entry.slot)
                 evicted.append(victim)
@@ -139,7 +151,7 @@ class HostTier:
                 return
             entry.state = EntryState.READY
             if entry.refs == 0:
-                self._lru[block_hash] = None
+                self._lru.insert(block_hash)
 
     # ---- load: begin_read -> (copy bytes out) -> finish_read ----
 
@@ -150,7 +162,7 @@ class HostTier:
             if entry is None or entry.state is not EntryState.READY:
                 return None
             entry.refs += 1
-            self._lru.pop(block_hash, None)
+            self._lru.remove(block_hash)
             return entry.slot
 
     def finish_read(self, block_hash: int) -> None:
@@ -160,7 +172,12 @@ class HostTier:
                 raise KeyError(f"block {block_hash:#x} is not being read")
             entry.refs -= 1
             if entry.refs == 0 and entry.state is EntryState.READY:
-                self._lru[block_hash] = None  # re-enters at the MRU end
+                self._lru.insert(block_hash)  # re-enters as the most recently used
+
+    def touch(self, block_hash: int) -> None:
+        """Mark a READY, unreferenced block as just used (it is evicted later)."""
+        with self._lock:
+            self._lru.touch(block_hash)
 
     def discard(self, block_hash: int) -> bool:
         """Drop an unreferenced READY block (e.g. its contents are known stale)."""
@@ -169,7 +186,7 @@ class HostTier:
             if entry is None or entry.refs or entry.state is not EntryState.READY:
                 return False
             del self._entries[block_hash]
-            self._lru.pop(block_hash, None)
+            self._lru.remove(block_hash)
             self._free.append(entry.slot)
             return True
 
@@ -200,7 +217,7 @@ class HostTier:
             for h in self._lru:
                 e = self._entries.get(h)
                 if e is None or e.refs or e.state is not EntryState.READY:
-                    raise RuntimeError(f"host tier: LRU holds non-evictable block {h:#x}")
+                    raise RuntimeError(f"host tier: eviction policy holds non-evictable block {h:#x}")
             for h, e in self._entries.items():
                 if e.state is EntryState.READY and e.refs == 0 and h not in self._lru:
-                    raise RuntimeError(f"host tier: evictable block {h:#x} missing from LRU")
+                    raise RuntimeError(f"host tier: evictable block {h:#x} missing from the eviction policy")

@@ -1,160 +1,208 @@
-"""Scheduler-side policy of the tiers, keyed by chained block hash (like vLLM's OffloadingManager).
+"""Scheduler-side policy of the tiers, keyed by chained block hash (vLLM's `OffloadingManager`).
 
-The manager decides what to load, store and persist and keeps the two-phase bookkeeping;
-the transfer worker moves the bytes. Every `prepare_*` pins what it returns (host slots
-reserved or referenced) and the matching `complete_*` releases it, so a block being loaded
-or stored is never evicted or reused mid-transfer.
+`KVManager` is the contract: it decides what to load, store and persist and keeps the
+two-phase bookkeeping; transfer handlers move the bytes. Every `prepare_*` pins what it
+returns (host slots reserved or referenced) and the matching `complete_*` releases it,
+so a block being loaded or stored is never evicted or reused mid-transfer.
 
-Load path:   lookup -> prepare_load -> [DISK->HOST job, complete_stage] -> HOST->DEVICE job
-             -> complete_load
-Store path:  prepare_store -> DEVICE->HOST job -> complete_store
-             -> (prefix blocks only) prepare_persist -> HOST->DISK job -> complete_persist
+    load:    lookup -> prepare_load -> [cold -> host jobs, complete_stage]
+             -> host -> device job -> complete_load
+    store:   prepare_store -> device -> host job -> complete_store
+             -> (prefix blocks only) prepare_persist -> host -> cold jobs -> complete_persist
 
 Invariants: a block whose store has not completed is not loadable (host entries stay
-PENDING until `complete_store(success=True)`); lookups never do I/O and never modify
-state, so the scheduler may call them inside a step; disk reads happen only in jobs.
+PENDING until `complete_store(success=True)`); `lookup` and `touch` do no I/O and
+`lookup` changes no state, so the scheduler may call them inside a step; cold media are
+read only by transfer jobs.
+
+`TieredManager` is the one implementation: host RAM (bounded slab; its eviction policy
+lives in lru.py, apart from the storage) in front of the configured cold media, looked
+up in order. It never names a medium: "disk" is just the first entry of `media`.
 """
 
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-from tierguard.kv.disk_tier import DiskTier
+from tierguard.common.stats import counter
 from tierguard.kv.host_tier import HostTier
-from tierguard.kv.spec import Medium
+from tierguard.kv.media import ColdMedium
+
+HOST = HostTier.name
 
 
 @dataclass
-class LookupResult:
-    num_host: int  # leading blocks ready in host RAM
-    num_available: int  # leading blocks ready in host RAM or on disk (>= num_host)
-
-
-@dataclass
-class LoadBlock:
+class PlannedBlock:
     block_hash: int
     host_slot: int
-    source: Medium  # HOST: already in RAM; DISK: must be staged into `host_slot` first
+    source: str  # HOST: already in RAM; else the cold medium it is staged from into `host_slot`
 
 
 @dataclass
-class PrepareLoadOutput:
+class LoadPlan:
     """The leading blocks that will be loaded, in order; the rest of the request recomputes."""
 
-    blocks: list[LoadBlock]
+    blocks: list[PlannedBlock]
 
-    @property
-    def to_stage(self) -> list[LoadBlock]:
-        return [b for b in self.blocks if b.source is Medium.DISK]
+    def staged(self) -> dict[str, list[PlannedBlock]]:
+        """Blocks to stage into host RAM first, per cold medium, in order."""
+        out: dict[str, list[PlannedBlock]] = {}
+        for b in self.blocks:
+            if b.source != HOST:
+                out.setdefault(b.source, []).append(b)
+        return out
 
 
 @dataclass
-class PrepareStoreOutput:
+class StorePlan:
     to_store: list[tuple[int, int]]  # (block hash, reserved host slot), in order
     evicted: list[int] = field(default_factory=list)  # host blocks dropped to make room
 
 
 @dataclass
-class ManagerCounters:
-    host_hits: int = 0  # blocks loaded from host RAM
-    disk_hits: int = 0  # blocks staged from disk
-    misses: int = 0  # requested blocks that had to be recomputed
-    stage_failures: int = 0  # disk blocks that failed to stage (turned into misses)
+class PersistPlan:
+    medium: str
+    blocks: list[tuple[int, int]]  # (block hash, host slot pinned for reading)
+
+
+@dataclass
+class ManagerStats:
+    hits: dict[str, int] = counter(
+        "Blocks loaded per tier (staged from a cold tier counts there).", "{key}_hits", {}
+    )
+    misses: int = counter("Requested blocks found in no tier (recomputed).", "tier_misses")
+    stage_failures: int = counter("Cold blocks that failed to stage (turned into misses).")
+    host_evictions: int = counter("Host-RAM blocks evicted to make room.")
     stores: int = 0
-    store_failures: int = 0
-    host_evictions: int = 0
-    persisted: int = 0
+    store_failures: int = counter("Blocks whose copy to host RAM failed.")
+    persisted: int = counter("Blocks written behind to a cold tier.", "persisted_blocks")
     persist_failures: int = 0
 
 
-class OffloadManager:
-    def __init__(self, host: HostTier, disk: DiskTier | None = None) -> None:
+class KVManager(ABC):
+    """The manager's contract (see the module docstring for the call order)."""
+
+    @abstractmethod
+    def lookup(self, hashes: list[int]) -> int:
+        """How many leading blocks some tier holds. No I/O, no state change."""
+
+    @abstractmethod
+    def touch(self, hashes: list[int]) -> None:
+        """These blocks were just used (e.g. device prefix hits): keep their copies warm."""
+
+    @abstractmethod
+    def prepare_load(self, hashes: list[int]) -> LoadPlan:
+        """Pin the leading loadable blocks; stops at the first one that cannot be pinned."""
+
+    @abstractmethod
+    def complete_stage(self, plan: LoadPlan, ok: dict[int, bool]) -> int:
+        """Publish staged blocks; returns how many leading blocks stay loadable."""
+
+    @abstractmethod
+    def complete_load(self, plan: LoadPlan, keep: int) -> None:
+        """Unpin the first `keep` blocks once their host -> device copy ended."""
+
+    @abstractmethod
+    def prepare_store(self, hashes: list[int]) -> StorePlan:
+        """Reserve host slots for blocks not already in host RAM."""
+
+    @abstractmethod
+    def complete_store(self, plan: StorePlan, success: bool) -> None: ...
+
+    @abstractmethod
+    def prepare_persist(self, hashes: list[int]) -> list[PersistPlan]:
+        """Pin host-resident blocks that a cold medium does not hold yet, per medium."""
+
+    @abstractmethod
+    def complete_persist(self, plan: PersistPlan, ok: list[bool]) -> None: ...
+
+    @abstractmethod
+    def stats(self) -> ManagerStats: ...
+
+
+class TieredManager(KVManager):
+    def __init__(self, host: HostTier, media: list[ColdMedium] | None = None) -> None:
         self.host = host
-        self.disk = disk
-        self.counters = ManagerCounters()
+        self.media = list(media or [])
+        self._counters = ManagerStats(hits={HOST: 0, **{m.name: 0 for m in self.media}})
         self._lock = threading.Lock()  # guards counters only; the tiers lock themselves
 
-    def _on_disk(self, block_hash: int) -> bool:
-        return self.disk is not None and self.disk.contains(block_hash)
+    def _cold_source(self, block_hash: int) -> ColdMedium | None:
+        return next((m for m in self.media if m.contains(block_hash)), None)
 
-    def lookup(self, hashes: list[int]) -> LookupResult:
-        """Count leading blocks available per tier. No I/O, no state change."""
-        num_host = num_available = 0
-        host_run = True
+    def lookup(self, hashes: list[int]) -> int:
+        n = 0
         for h in hashes:
-            in_host = self.host.contains(h)
-            if not (in_host or self._on_disk(h)):
+            if not (self.host.contains(h) or self._cold_source(h) is not None):
                 break
-            num_available += 1
-            host_run = host_run and in_host
-            num_host += 1 if host_run else 0
-        return LookupResult(num_host=num_host, num_available=num_available)
+            n += 1
+        return n
 
-    def prepare_load(self, hashes: list[int]) -> PrepareLoadOutput:
-        """Pin the leading loadable blocks: host ones for reading, disk ones get a host slot.
+    def touch(self, hashes: list[int]) -> None:
+        for h in hashes:
+            self.host.touch(h)
 
-        Stops at the first block that is nowhere or for which no host slot can be reserved
-        (every slot pinned). Counts hits per tier and the requested blocks left as misses.
-        """
-        blocks: list[LoadBlock] = []
+    def prepare_load(self, hashes: list[int]) -> LoadPlan:
+        """Host blocks are pinned for reading; cold ones get a reserved host slot to be
+        staged into. Counts hits per tier and the requested blocks left as misses."""
+        blocks: list[PlannedBlock] = []
         evicted = 0
         for h in hashes:
             slot = self.host.begin_read(h)
             if slot is not None:
-                blocks.append(LoadBlock(h, slot, Medium.HOST))
+                blocks.append(PlannedBlock(h, slot, HOST))
                 continue
-            if not self._on_disk(h):
+            medium = self._cold_source(h)
+            if medium is None:
                 break
             reservation = self.host.reserve(h)
-            if reservation is None:
+            if reservation is None:  # every host slot is pinned right now
                 break
             evicted += len(reservation.evicted)
-            blocks.append(LoadBlock(h, reservation.slot, Medium.DISK))
+            blocks.append(PlannedBlock(h, reservation.slot, medium.name))
         with self._lock:
-            c = self.counters
-            c.host_hits += sum(1 for b in blocks if b.source is Medium.HOST)
-            c.disk_hits += sum(1 for b in blocks if b.source is Medium.DISK)
+            c = self._counters
+            for b in blocks:
+                c.hits[b.source] += 1
             c.misses += len(hashes) - len(blocks)
             c.host_evictions += evicted
-        return PrepareLoadOutput(blocks)
+        return LoadPlan(blocks)
 
-    def complete_stage(self, blocks: list[LoadBlock], block_ok: list[bool]) -> int:
-        """Publish staged disk blocks and return how many leading blocks stay loadable.
-
-        A failed block (I/O error, bad checksum) frees its slot; it and every later block
-        of the request are released here, since a chain cannot skip a block. The caller
-        then loads only the returned prefix and calls `complete_load` on that prefix.
-        """
-        ok_by_hash = dict(
-            zip((b.block_hash for b in blocks if b.source is Medium.DISK), block_ok, strict=True)
-        )
-        keep = 0
-        failed = 0
+    def complete_stage(self, plan: LoadPlan, ok: dict[int, bool]) -> int:
+        """A failed block (I/O error, bad checksum, undecodable) frees its slot; it and
+        every later block are released here, since a chain cannot skip a block. The caller
+        then loads only the returned prefix and calls `complete_load` with it."""
+        keep = failed = 0
         broken = False
-        for b in blocks:
-            good = not broken and (b.source is Medium.HOST or ok_by_hash[b.block_hash])
-            if b.source is Medium.DISK:
-                failed += 0 if ok_by_hash[b.block_hash] else 1
-                self.host.finish_write(b.block_hash, ok_by_hash[b.block_hash], keep_pinned=good)
+        failed_by: dict[str, int] = {}
+        for b in plan.blocks:
+            staged = b.source != HOST
+            good = not broken and (not staged or ok[b.block_hash])
+            if staged:
+                if not ok[b.block_hash]:
+                    failed += 1
+                    failed_by[b.source] = failed_by.get(b.source, 0) + 1
+                self.host.finish_write(b.block_hash, ok[b.block_hash], keep_pinned=good)
             elif not good:
                 self.host.finish_read(b.block_hash)
             broken = broken or not good
             keep += 1 if good else 0
         with self._lock:
-            self.counters.stage_failures += failed
-            self.counters.misses += len(blocks) - keep
-            self.counters.disk_hits -= failed
+            c = self._counters
+            c.stage_failures += failed
+            c.misses += len(plan.blocks) - keep
+            for source, n in failed_by.items():
+                c.hits[source] -= n
         return keep
 
-    def complete_load(self, hashes: list[int]) -> None:
-        """Unpin blocks whose HOST->DEVICE copy finished (successfully or not)."""
-        for h in hashes:
-            self.host.finish_read(h)
+    def complete_load(self, plan: LoadPlan, keep: int) -> None:
+        for b in plan.blocks[:keep]:
+            self.host.finish_read(b.block_hash)
 
-    def prepare_store(self, hashes: list[int]) -> PrepareStoreOutput:
-        """Reserve host slots for blocks not already in host RAM (pending until completed)."""
-        out = PrepareStoreOutput(to_store=[])
+    def prepare_store(self, hashes: list[int]) -> StorePlan:
+        out = StorePlan(to_store=[])
         for h in hashes:
             if self.host.is_present(h):
                 continue
@@ -164,34 +212,51 @@ class OffloadManager:
             out.to_store.append((h, reservation.slot))
             out.evicted.extend(reservation.evicted)
         with self._lock:
-            self.counters.host_evictions += len(out.evicted)
+            self._counters.host_evictions += len(out.evicted)
         return out
 
-    def complete_store(self, hashes: list[int], success: bool) -> None:
-        for h in hashes:
+    def complete_store(self, plan: StorePlan, success: bool) -> None:
+        for h, _slot in plan.to_store:
             self.host.finish_write(h, success)
         with self._lock:
             if success:
-                self.counters.stores += len(hashes)
+                self._counters.stores += len(plan.to_store)
             else:
-                self.counters.store_failures += len(hashes)
+                self._counters.store_failures += len(plan.to_store)
 
-    def prepare_persist(self, hashes: list[int]) -> list[tuple[int, int]]:
-        """Pin host-resident blocks that should also go to disk; [] when disk writes are off."""
-        if self.disk is None or not self.disk.writes_enabled:
-            return []
-        out = []
-        for h in hashes:
-            if self.disk.contains(h):
+    def prepare_persist(self, hashes: list[int]) -> list[PersistPlan]:
+        plans = []
+        for medium in self.media:
+            if not medium.writes_enabled:
                 continue
-            slot = self.host.begin_read(h)
-            if slot is not None:
-                out.append((h, slot))
-        return out
+            blocks = []
+            for h in hashes:
+                if medium.contains(h):
+                    continue
+                slot = self.host.begin_read(h)
+                if slot is not None:
+                    blocks.append((h, slot))
+            if blocks:
+                plans.append(PersistPlan(medium.name, blocks))
+        return plans
 
-    def complete_persist(self, hashes: list[int], block_ok: list[bool]) -> None:
-        for h in hashes:
+    def complete_persist(self, plan: PersistPlan, ok: list[bool]) -> None:
+        for h, _slot in plan.blocks:
             self.host.finish_read(h)
         with self._lock:
-            self.counters.persisted += sum(block_ok)
-            self.counters.persist_failures += len(block_ok) - sum(block_ok)
+            self._counters.persisted += sum(ok)
+            self._counters.persist_failures += len(ok) - sum(ok)
+
+    def stats(self) -> ManagerStats:
+        with self._lock:
+            c = self._counters
+            return ManagerStats(
+                dict(c.hits),
+                c.misses,
+                c.stage_failures,
+                c.host_evictions,
+                c.stores,
+                c.store_failures,
+                c.persisted,
+                c.persist_failures,
+            )

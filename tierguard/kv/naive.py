@@ -1,11 +1,13 @@
 """`--kv-naive-sync-disk`: the failure mode the contract exists to prevent, for benchmarks only.
 
 NVMe used as an extension of VRAM: when the device pool runs short, blocks of *running*
-sequences are written to the disk tier, and read back synchronously inside the step that
-needs them. Every call here blocks the calling (engine) thread on disk I/O. The disk tier
-must be built with `allow_reads_in_decode=True`; each such read is counted in its
-`reads_in_decode`, and the stall time is counted here, so a benchmark can put the cost
-next to the contract's numbers.
+sequences are written to disk, and read back synchronously inside the step that needs
+them. Every call here blocks the calling (engine) thread on disk I/O. The files live in a
+spill tier of their own (`NaiveSpillTier`, same file format and checksums as the disk
+tier, under `<disk dir>/naive-spill/`) whose only difference is that a read from inside a
+decode step is counted (`reads_in_decode`) instead of refused: the production disk tier
+has no such switch. The stall time is counted here, so a benchmark can put the cost next
+to the contract's numbers.
 
 Device latency, not page-cache latency: on a real box the spilled blocks of a long
 session live on the NVMe, so the synchronous read inside decode waits for the device.
@@ -27,7 +29,17 @@ import torch
 
 from tierguard.kv import disk_format as fmt
 from tierguard.kv.disk_tier import DiskTier
+from tierguard.kv.guard import decode_in_progress
 from tierguard.kv.spec import DevicePool
+
+
+class NaiveSpillTier(DiskTier):
+    """A disk tier that lets the decode thread read (benchmark only), counting each read."""
+
+    def _check_guard(self, n: int) -> None:
+        if decode_in_progress():
+            with self._lock:
+                self._c["reads_in_decode"] += n
 
 
 @dataclass
@@ -42,8 +54,8 @@ class NaiveCounters:
 
 class NaiveSyncDisk:
     def __init__(self, pool: DevicePool, disk: DiskTier) -> None:
-        if not disk.allow_reads_in_decode:
-            raise ValueError("naive sync disk mode needs a disk tier built with allow_reads_in_decode=True")
+        if not isinstance(disk, NaiveSpillTier):
+            raise ValueError("naive sync disk mode needs its own NaiveSpillTier (reads inside decode)")
         self.pool = pool
         self.disk = disk
         self._bounce = torch.empty(pool.block_bytes, dtype=torch.uint8)
@@ -52,7 +64,8 @@ class NaiveSyncDisk:
     def spill(self, block_hash: int, device_block: int) -> bool:
         """Copy one device block to disk now (blocking); False if the disk refused it."""
         t0 = time.perf_counter()
-        self.pool.copy_block(device_block, self._bounce, to_device=False)  # synchronous on CUDA too: that is the point
+        # Synchronous on CUDA too: that is the point.
+        self.pool.copy_blocks([device_block], self._bounce.view(1, -1), [0], to_device=False)
         ok = self.disk.write(block_hash, self._bounce)
         if ok:
             self._drop_from_page_cache(block_hash)
@@ -65,7 +78,7 @@ class NaiveSyncDisk:
         t0 = time.perf_counter()
         ok = self.disk.read_into(block_hash, self._bounce)
         if ok:
-            self.pool.copy_block(device_block, self._bounce, to_device=True)
+            self.pool.copy_blocks([device_block], self._bounce.view(1, -1), [0], to_device=True)
             self.counters.restores += 1
         else:
             self.counters.restore_misses += 1

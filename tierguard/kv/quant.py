@@ -2,7 +2,7 @@
 
 Modes and layout (pool shapes from `KVLayout`):
 - "none": KV kept in the model dtype, no scales.
-- "int8": symmetric int8, one float32 scale per (layer, K|V, block, token, kv_head):
+- "int8": symmetric int8, one float32 scale per (block, layer, K|V, token, kv_head):
   scale = max|x| over head_dim / 127, q = round(x / scale).
 - "fp8": float8_e4m3fn with the same per-token-head float32 scale
   (scale = max|x| / 448, the e4m3 maximum). Scales are per token so a block can be
@@ -67,16 +67,17 @@ def write_slots(
     mode: str,
 ) -> None:
     """Store k, v [tokens, kv_heads, head_dim] at flat slots (block * block_size + offset)."""
+    where = _block_offset(pool_data, slots)
     for idx, x in ((0, k), (1, v)):
-        flat = pool_data[layer, idx].view(-1, *pool_data.shape[-2:])
+        pages = pool_data[:, layer, idx]
         if mode == "none":
-            flat[slots] = x.to(flat.dtype)
+            pages[where] = x.to(pages.dtype)
             continue
         if pool_scale is None:
             raise ValueError("a quantized pool needs its scale tensor")
         q, s = quantize(x, mode)
-        flat[slots] = q
-        pool_scale[layer, idx].view(-1, pool_scale.shape[-1])[slots] = s
+        pages[where] = q
+        pool_scale[:, layer, idx][where] = s
 
 
 def read_slots(
@@ -88,16 +89,23 @@ def read_slots(
     dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather (k, v) [tokens, kv_heads, head_dim] from flat slots, dequantized to `dtype`."""
+    where = _block_offset(pool_data, slots)
     out = []
     for idx in (0, 1):
-        x = pool_data[layer, idx].view(-1, *pool_data.shape[-2:])[slots]
+        x = pool_data[:, layer, idx][where]
         if mode == "none":
             out.append(x.to(dtype))
             continue
         if pool_scale is None:
             raise ValueError("a quantized pool needs its scale tensor")
-        out.append(dequantize(x, pool_scale[layer, idx].view(-1, pool_scale.shape[-1])[slots], dtype))
+        out.append(dequantize(x, pool_scale[:, layer, idx][where], dtype))
     return out[0], out[1]
+
+
+def _block_offset(pool_data: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat slots as (block, offset) indices into a blocks-first pool."""
+    bs = pool_data.shape[3]
+    return slots // bs, slots % bs
 
 
 def bytes_per_token(

@@ -1,17 +1,21 @@
-"""Small specs every tier agrees on: mediums, the KV layout and its fingerprint.
+"""Small specs every tier agrees on: the KV layout, the device pool, and the one fingerprint.
 
 A block's payload is the same bytes on every medium: the block's slice of each device
 pool tensor (the KV data, plus its scales when the pool is quantized), laid end to end
 with each part aligned to 16 bytes. The tiers move those bytes and never interpret them,
 so "the tiers move the quantized bytes" holds by construction.
+
+Blocks-first: every pool tensor has the block index as its outermost dimension, so one
+block is one contiguous slice (`t[block_id]`) and a run of blocks is one contiguous range.
+Copies and checksums work on whole blocks; a request's blocks move in one gather/scatter.
 """
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import json
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -29,14 +33,6 @@ _DTYPES = {
     "float8_e4m3fn": torch.float8_e4m3fn,
     "int8": torch.int8,
 }
-
-
-class Medium(enum.Enum):
-    """Where a block's bytes live."""
-
-    DEVICE = "device"
-    HOST = "host"
-    DISK = "disk"
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -58,12 +54,12 @@ def _align(n: int) -> int:
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Shape of one device KV pool: [layers, 2, num_blocks, block_size, kv_heads, head_dim].
+    """Shape of one device KV pool: [num_blocks, layers, 2, block_size, kv_heads, head_dim].
 
     `dtype` is the element type of the pool as stored (float8_e4m3fn or int8 when
     quantized); `quantization` says how scales are kept ("none": no scale tensor;
     "fp8"/"int8": a float32 scale per token per KV head, shape
-    [layers, 2, num_blocks, block_size, kv_heads]).
+    [num_blocks, layers, 2, block_size, kv_heads]).
     """
 
     num_layers: int
@@ -86,12 +82,12 @@ class KVLayout:
         return dtype_from_name(self.dtype)
 
     def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
-        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return (num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
     def scale_shape(self, num_blocks: int) -> tuple[int, ...] | None:
         if self.quantization == "none":
             return None
-        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads)
+        return (num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads)
 
     @property
     def data_bytes_per_block(self) -> int:
@@ -113,16 +109,31 @@ class KVLayout:
         return (self.data_bytes_per_block + self.scale_bytes_per_block) / self.block_size
 
 
-def fingerprint(model_id: str, layout: KVLayout, weights_digest: str = "") -> str:
+def fingerprint(
+    model_id: str, layout: KVLayout, model_config: dict[str, Any] | None = None, weights_digest: str = ""
+) -> str:
     """16 hex chars naming everything that makes two blocks with one hash incompatible.
 
-    Covers the model identity (name and, when known, a digest of its weights), the KV
-    dtype, quantization, block size and the full layout, so a different model or layout
-    never reads another's blocks even when the token hashes collide.
+    The one model fingerprint: it salts the first block's prefix hash (`fingerprint_salt`)
+    and names the cold tiers' directories and block headers. Covers the model identity
+    (name or weights id, its config, a digest of its weights when known), the KV dtype,
+    quantization, block size and the full layout, so a different model or layout never
+    reads another's blocks even when the token hashes collide.
     """
-    doc = {"model": model_id, "weights": weights_digest, "layout": asdict(layout), "format": 1}
-    text = json.dumps(doc, sort_keys=True, separators=(",", ":"))
+    doc = {
+        "model": model_id,
+        "config": model_config or {},
+        "weights": weights_digest,
+        "layout": asdict(layout),
+        "format": 2,
+    }
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def fingerprint_salt(fp: str) -> int:
+    """The fingerprint as the 64-bit parent of a sequence's first block hash."""
+    return int(fp, 16)
 
 
 def is_fingerprint(text: str) -> bool:
@@ -131,10 +142,11 @@ def is_fingerprint(text: str) -> bool:
 
 @dataclass
 class DevicePool:
-    """The device tensors a block spans; every tensor has the block index at dim 2.
+    """The device tensors a block spans; every tensor has the block index outermost.
 
     `tensors[0]` is the KV data; a quantized pool adds its scale tensor. A block's
-    payload is the concatenation of `t[:, :, block_id]` over these tensors.
+    payload is the concatenation of `t[block_id]` over these tensors (each part aligned
+    to PART_ALIGN bytes), which is also how the host slab stores it.
     """
 
     tensors: list[torch.Tensor]
@@ -149,13 +161,17 @@ class DevicePool:
 
     @property
     def num_blocks(self) -> int:
-        return int(self.tensors[0].shape[2])
+        return int(self.tensors[0].shape[0])
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.tensors[0].is_cuda
 
     def part_offsets(self) -> list[tuple[int, int]]:
         """(offset, nbytes) of each tensor's block slice inside a payload."""
         out, offset = [], 0
         for t in self.tensors:
-            nbytes = t[:, :, 0].numel() * t.element_size()
+            nbytes = t[0].numel() * t.element_size()
             out.append((offset, nbytes))
             offset += _align(nbytes)
         return out
@@ -165,19 +181,78 @@ class DevicePool:
         offset, nbytes = self.part_offsets()[-1]
         return offset + _align(nbytes)
 
+    def block_rows(self) -> list[torch.Tensor]:
+        """Each tensor as uint8 rows [num_blocks, part bytes]: one row is one whole block."""
+        return [t.view(torch.uint8).view(t.shape[0], -1) for t in self.tensors]
+
     def payload_views(self, payload: torch.Tensor) -> list[torch.Tensor]:
         """Typed views into a uint8 payload buffer, one per pool tensor, block-shaped."""
         views = []
         for t, (offset, nbytes) in zip(self.tensors, self.part_offsets(), strict=True):
-            shape = t[:, :, 0].shape
-            views.append(payload[offset : offset + nbytes].view(t.dtype).view(shape))
+            views.append(payload[offset : offset + nbytes].view(t.dtype).view(t.shape[1:]))
         return views
 
-    def copy_block(self, block_id: int, payload: torch.Tensor, to_device: bool, non_blocking: bool = False) -> None:
-        """Copy one block between the pool and a uint8 payload buffer (laid out as in
-        `payload_views`): into the pool when `to_device`, out of it otherwise."""
-        for t, view in zip(self.tensors, self.payload_views(payload), strict=True):
+    def copy_blocks(
+        self,
+        block_ids: list[int],
+        slab: torch.Tensor,
+        slots: list[int],
+        to_device: bool,
+        non_blocking: bool = False,
+    ) -> None:
+        """Copy blocks between the pool and rows of a uint8 CPU slab [rows, >= block_bytes]:
+        `block_ids[i]` <-> `slab[slots[i]]`, into the pool when `to_device`.
+
+        Every block is a contiguous row on both sides, so a run of adjacent ids landing in
+        adjacent slots is one memcpy, and a lone block is one memcpy too (never a strided
+        copy). Across devices (CUDA) each pool tensor crosses in one transfer per call: the
+        rows are gathered on the device side with one index_select (or packed into pinned
+        staging on the host side) and scattered on the other.
+        """
+        if len(block_ids) != len(slots):
+            raise ValueError("copy_blocks needs one slot per block")
+        if not block_ids:
+            return
+        runs = _runs(block_ids, slots)
+        cross = self.tensors[0].device != slab.device
+        for part, (offset, nbytes) in zip(self.block_rows(), self.part_offsets(), strict=True):
+            cols = slab[:, offset : offset + nbytes]
+            if not cross:
+                for b, s, n in runs:
+                    if to_device:
+                        part[b : b + n].copy_(cols[s : s + n])
+                    else:
+                        cols[s : s + n].copy_(part[b : b + n])
+                continue
+            staged = torch.empty((len(block_ids), nbytes), dtype=torch.uint8, pin_memory=True)
+            ids = torch.tensor(block_ids, dtype=torch.long).to(part.device, non_blocking=True)
             if to_device:
-                t[:, :, block_id].copy_(view, non_blocking=non_blocking)
+                _pack(staged, cols, runs, into_staging=True)
+                part.index_copy_(0, ids, staged.to(part.device, non_blocking=non_blocking))
             else:
-                view.copy_(t[:, :, block_id], non_blocking=non_blocking)
+                staged.copy_(part.index_select(0, ids))  # blocking: the rows are scattered next
+                _pack(staged, cols, runs, into_staging=False)
+
+
+def _runs(block_ids: list[int], slots: list[int]) -> list[tuple[int, int, int]]:
+    """(first block, first slot, length) of maximal runs where both ids and slots step by 1."""
+    runs: list[tuple[int, int, int]] = []
+    for b, s in zip(block_ids, slots, strict=True):
+        if runs and b == runs[-1][0] + runs[-1][2] and s == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((b, s, 1))
+    return runs
+
+
+def _pack(
+    staged: torch.Tensor, cols: torch.Tensor, runs: list[tuple[int, int, int]], into_staging: bool
+) -> None:
+    """Move rows between a staging buffer (in block_ids order) and the slab, run by run."""
+    row = 0
+    for _b, s, n in runs:
+        if into_staging:
+            staged[row : row + n].copy_(cols[s : s + n])
+        else:
+            cols[s : s + n].copy_(staged[row : row + n])
+        row += n

@@ -1,17 +1,15 @@
-"""Asynchronous transfer worker: moves block payloads between device, host and disk.
+"""Asynchronous transfer worker: runs block copies between media on its own threads.
 
-`transfer_async` only enqueues; the copy runs on a worker thread, and on CUDA on that
-thread's own stream, ordered after the caller's current stream by an event. The caller
-learns the outcome from `get_finished()`, which never waits. So no engine step ever
-blocks on a transfer: a step that needs blocks simply does not schedule their sequence
-until the job is reported finished.
+`transfer_async` only enqueues; the copy runs on a worker thread (on CUDA, on that
+thread's own stream). The caller learns the outcome from `get_finished()`, which never
+waits. So no engine step ever blocks on a transfer: a step that needs blocks simply does
+not schedule their sequence until the job is reported finished.
 
-Routes (source medium, destination medium):
-    DEVICE -> HOST   copy pool block `device_block` into host slot `host_slot`
-    HOST -> DEVICE   the reverse
-    HOST -> DISK     write host slot `host_slot` as disk block `block_hash`
-    DISK -> HOST     read disk block `block_hash` into host slot `host_slot`
-The worker owns no bookkeeping: pinning the slots a job touches is the manager's job.
+Routes are open: a handler is registered for a (source spec class, destination spec
+class) pair (see media.py), as vLLM's `OffloadingWorker.register_handler`. The built-in
+handlers live in copy_handlers.py: device <-> host (one batched copy per job) and
+host <-> any cold medium. The worker owns no bookkeeping: pinning what a job touches is
+the manager's job, and a job's blocks arrive (or fail) together, reported per block.
 """
 
 from __future__ import annotations
@@ -20,110 +18,109 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import torch
-
 from tierguard.common.histogram import LatencyHistogram
-from tierguard.kv.disk_tier import DiskTier
+from tierguard.common.stats import counter, gauge, quantile_ms
 from tierguard.kv.faults import FaultInjector
-from tierguard.kv.host_tier import HostTier
-from tierguard.kv.spec import DevicePool, Medium
+from tierguard.kv.media import BlockSpec
 
 log = logging.getLogger("tierguard.kv.transfer")
-
-Route = tuple[Medium, Medium]
-
-
-@dataclass
-class BlockTransfer:
-    block_hash: int
-    host_slot: int
-    device_block: int | None = None  # required for routes touching the device
 
 
 @dataclass
 class TransferSpec:
-    src: Medium
-    dst: Medium
-    blocks: list[BlockTransfer]
+    """Copy `len(src)` blocks: `src`'s i-th block becomes `dst`'s i-th block."""
+
+    src: BlockSpec
+    dst: BlockSpec
+
+    def __post_init__(self) -> None:
+        if len(self.src) != len(self.dst):
+            raise ValueError(
+                f"transfer {self.route_name}: {len(self.src)} source blocks, {len(self.dst)} targets"
+            )
 
     @property
-    def route(self) -> Route:
-        return (self.src, self.dst)
+    def route(self) -> tuple[type[BlockSpec], type[BlockSpec]]:
+        return (type(self.src), type(self.dst))
+
+    @property
+    def route_name(self) -> str:
+        return f"{self.src.medium}_to_{self.dst.medium}"
+
+
+class TransferHandler:
+    """Moves the bytes of one route. `prepare` runs on the caller's thread at submit and
+    must not block (on CUDA it records what the copy must wait for); `run` runs on a
+    worker thread and returns one bool per block (True: arrived intact)."""
+
+    def prepare(self, spec: TransferSpec) -> object:
+        return None
+
+    def run(self, spec: TransferSpec, prepared: object) -> list[bool]:
+        raise NotImplementedError
 
 
 @dataclass
 class TransferResult:
-    """Outcome of one job. `block_ok[i]` says whether `spec.blocks[i]` arrived intact."""
+    """Outcome of one job. `block_ok[i]` says whether block i of the spec arrived intact."""
 
     job_id: int
     success: bool
     block_ok: list[bool]
     seconds: float
-    route: Route
+    route: str  # "src_to_dst"
     error: str = ""
 
 
 @dataclass
 class RouteStats:
-    jobs: int = 0
-    failed_jobs: int = 0
+    jobs: int = counter("Transfer jobs finished on this route.")
+    failed_jobs: int = counter("Transfer jobs on this route with a failed block.")
     blocks: int = 0
-    bytes: int = 0
-    latencies_s: deque[float] = field(default_factory=lambda: deque(maxlen=2048))
+    bytes: int = counter("Block bytes moved on this route.")
+    p50_ms: float = gauge("Median job latency over the recent window, ms.")
+    p99_ms: float = gauge("p99 job latency over the recent window, ms.")
+
+
+@dataclass
+class _Route:
+    stats: RouteStats = field(default_factory=RouteStats)
+    window: deque[float] = field(default_factory=lambda: deque(maxlen=2048))
     latency: LatencyHistogram = field(default_factory=LatencyHistogram)  # all jobs, for /metrics
 
 
 class TransferWorker:
-    """Thread pool that runs transfer jobs; see module docstring for the routes."""
+    """Thread pool that runs transfer jobs through registered handlers."""
 
-    def __init__(
-        self,
-        host: HostTier,
-        pool: DevicePool | None = None,
-        disk: DiskTier | None = None,
-        num_threads: int = 2,
-        faults: FaultInjector | None = None,
-    ) -> None:
-        self.host, self.pool, self.disk = host, pool, disk
+    def __init__(self, block_bytes: int, num_threads: int = 2, faults: FaultInjector | None = None) -> None:
+        self.block_bytes = block_bytes
         self.faults = faults or FaultInjector()
         self._executor = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="kv-transfer")
         self._lock = threading.Lock()
         self._finished: list[TransferResult] = []
         self._in_flight: set[int] = set()
-        self._cuda = pool is not None and pool.tensors[0].is_cuda
-        self._local = threading.local()
-        self.route_stats: dict[Route, RouteStats] = {}
-        self._handlers: dict[Route, Callable[[TransferSpec], list[bool]]] = {
-            (Medium.DEVICE, Medium.HOST): self._device_to_host,
-            (Medium.HOST, Medium.DEVICE): self._host_to_device,
-            (Medium.HOST, Medium.DISK): self._host_to_disk,
-            (Medium.DISK, Medium.HOST): self._disk_to_host,
-        }
+        self._routes: dict[str, _Route] = {}
+        self._handlers: dict[tuple[type[BlockSpec], type[BlockSpec]], TransferHandler] = {}
+
+    def register_handler(self, src: type[BlockSpec], dst: type[BlockSpec], handler: TransferHandler) -> None:
+        self._handlers[(src, dst)] = handler
 
     # ---- caller side (never blocks on a transfer) ----
 
     def transfer_async(self, job_id: int, spec: TransferSpec) -> None:
-        """Enqueue a job. Raises ValueError for a route this worker cannot serve."""
-        if spec.route not in self._handlers:
-            raise ValueError(f"unsupported transfer route {spec.src.value}->{spec.dst.value}")
-        if Medium.DEVICE in spec.route and self.pool is None:
-            raise ValueError("device transfers need a device pool")
-        if Medium.DISK in spec.route and self.disk is None:
-            raise ValueError("disk transfers need a disk tier")
-        ready = None
-        if self._cuda and spec.src is Medium.DEVICE:
-            # The copy must see every write the caller's stream has queued to these blocks.
-            ready = torch.cuda.Event()
-            ready.record()
+        """Enqueue a job. Raises ValueError for a route no handler serves."""
+        handler = self._handlers.get(spec.route)
+        if handler is None:
+            raise ValueError(f"unsupported transfer route {spec.route_name}")
+        prepared = handler.prepare(spec)
         with self._lock:
             if job_id in self._in_flight:
                 raise ValueError(f"transfer job {job_id} is already in flight")
             self._in_flight.add(job_id)
-        self._executor.submit(self._run, job_id, spec, ready)
+        self._executor.submit(self._run, job_id, spec, handler, prepared)
 
     def get_finished(self) -> list[TransferResult]:
         """Jobs completed since the last call, in completion order."""
@@ -134,7 +131,17 @@ class TransferWorker:
     def latency_histograms(self) -> dict[str, LatencyHistogram]:
         """A copy of each route's job latency histogram, keyed "src_to_dst"."""
         with self._lock:
-            return {f"{src.value}_to_{dst.value}": rs.latency.snapshot() for (src, dst), rs in self.route_stats.items()}
+            return {name: r.latency.snapshot() for name, r in self._routes.items()}
+
+    def route_stats(self) -> dict[str, RouteStats]:
+        with self._lock:
+            routes = {name: (r.stats, sorted(r.window)) for name, r in self._routes.items()}
+        out = {}
+        for name, (s, lat) in routes.items():
+            out[name] = RouteStats(
+                s.jobs, s.failed_jobs, s.blocks, s.bytes, quantile_ms(lat, 0.5), quantile_ms(lat, 0.99)
+            )
+        return out
 
     @property
     def queue_depth(self) -> int:
@@ -146,68 +153,25 @@ class TransferWorker:
 
     # ---- worker side ----
 
-    def _run(self, job_id: int, spec: TransferSpec, ready: torch.cuda.Event | None) -> None:
+    def _run(self, job_id: int, spec: TransferSpec, handler: TransferHandler, prepared: object) -> None:
         start = time.perf_counter()
         error = ""
         try:
             self.faults.check("transfer")
-            if ready is not None:
-                self._stream().wait_event(ready)
-            block_ok = self._handlers[spec.route](spec)
+            block_ok = handler.run(spec, prepared)
         except Exception as e:  # a failed job is a miss for the caller, never a crash
-            log.warning("transfer job %s %s->%s failed: %s", job_id, spec.src.value, spec.dst.value, e)
-            block_ok, error = [False] * len(spec.blocks), str(e)
+            log.warning("transfer job %s %s failed: %s", job_id, spec.route_name, e)
+            block_ok, error = [False] * len(spec.src), str(e)
         seconds = time.perf_counter() - start
-        result = TransferResult(job_id, all(block_ok), block_ok, seconds, spec.route, error)
+        result = TransferResult(job_id, all(block_ok), block_ok, seconds, spec.route_name, error)
         with self._lock:
-            stats = self.route_stats.setdefault(spec.route, RouteStats())
-            stats.jobs += 1
-            stats.failed_jobs += 0 if result.success else 1
-            stats.blocks += sum(block_ok)
-            stats.bytes += sum(block_ok) * self.host.block_bytes
-            stats.latencies_s.append(seconds)
-            stats.latency.observe(seconds)
+            route = self._routes.setdefault(spec.route_name, _Route())
+            s = route.stats
+            s.jobs += 1
+            s.failed_jobs += 0 if result.success else 1
+            s.blocks += sum(block_ok)
+            s.bytes += sum(block_ok) * self.block_bytes
+            route.window.append(seconds)
+            route.latency.observe(seconds)
             self._in_flight.discard(job_id)
             self._finished.append(result)
-
-    def _stream(self) -> torch.cuda.Stream:
-        stream = getattr(self._local, "stream", None)
-        if stream is None:
-            stream = self._local.stream = torch.cuda.Stream()
-        return stream
-
-    def _copy(self, spec: TransferSpec, to_device: bool) -> list[bool]:
-        if self.pool is None:
-            raise ValueError("device transfers need a device pool")
-        for b in spec.blocks:
-            if b.device_block is None:
-                raise ValueError(f"block {b.block_hash:#x} has no device block id")
-            self.pool.copy_block(b.device_block, self.host.slot_view(b.host_slot), to_device, self._cuda)
-        return [True] * len(spec.blocks)
-
-    def _device_to_host(self, spec: TransferSpec) -> list[bool]:
-        return self._copy_on_stream(spec, to_device=False)
-
-    def _host_to_device(self, spec: TransferSpec) -> list[bool]:
-        return self._copy_on_stream(spec, to_device=True)
-
-    def _copy_on_stream(self, spec: TransferSpec, to_device: bool) -> list[bool]:
-        if not self._cuda:
-            return self._copy(spec, to_device)
-        with torch.cuda.stream(self._stream()):
-            ok = self._copy(spec, to_device)
-            done = torch.cuda.Event()
-            done.record()
-        done.synchronize()  # this worker thread waits; the caller never does
-        return ok
-
-    def _host_to_disk(self, spec: TransferSpec) -> list[bool]:
-        if self.disk is None:
-            raise ValueError("disk transfers need a disk tier")
-        items = [(b.block_hash, self.host.slot_view(b.host_slot)) for b in spec.blocks]
-        return self.disk.write_many(items)
-
-    def _disk_to_host(self, spec: TransferSpec) -> list[bool]:
-        if self.disk is None:
-            raise ValueError("disk transfers need a disk tier")
-        return self.disk.read_many([(b.block_hash, self.host.slot_view(b.host_slot)) for b in spec.blocks])

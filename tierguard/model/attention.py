@@ -1,17 +1,19 @@
 """Attention over a paged KV cache.
 
-KV layout (shared with the host/NVMe tiers; do not change without them):
+KV layout (shared with the host/NVMe tiers, see tierguard/kv/spec.py), blocks first:
 
-    kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]   (2 = K, V)
+    kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]   (2 = K, V)
 
-so one block across all layers is `kv_cache[:, :, block_id]`. A token's "slot" is
-`block_id * block_size + offset`; viewing one layer's K as [num_blocks * block_size,
-kv_heads, head_dim] turns block tables into plain gathers.
+so one block across all layers is the contiguous slice `kv_cache[block_id]`, and the
+tiers copy whole blocks. A layer sees `kv_cache[:, layer]` ([num_blocks, 2, block_size,
+kv_heads, head_dim], strided over blocks). A token's "slot" is `block_id * block_size +
+offset`; writes go to (slot // block_size, slot % block_size) and reads gather whole
+blocks with 1-D indices.
 
 A quantized pool (`--kv-dtype fp8|int8`, see tierguard/kv/quant.py) stores int8 or
 float8_e4m3fn values plus a parallel float32 scale tensor indexed by the same block id:
 
-    kv_scale: [num_layers, 2, num_blocks, block_size, num_kv_heads]   (one scale per token-head)
+    kv_scale: [num_blocks, num_layers, 2, block_size, num_kv_heads]   (one scale per token-head)
 
 K/V are quantized when written and only the gathered pages are dequantized, to the
 compute dtype, right before SDPA. A prefill chunk with nothing cached attends to its own
@@ -72,15 +74,16 @@ def _store(
     k: torch.Tensor,
     v: torch.Tensor,
 ) -> None:
-    kvh, d = k.shape[1], k.shape[2]
+    bs = kv_layer.shape[2]
+    where = (slots // bs, slots % bs)  # (block, offset): two 1-D indices, cost ~ tokens written
     for idx, x in ((0, k), (1, v)):
-        flat = kv_layer[idx].view(-1, kvh, d)
+        pages = kv_layer[:, idx]
         if scale_layer is None:
-            flat.index_copy_(0, slots, x)
+            pages.index_put_(where, x)
             continue
         q, scale = quantize(x, QUANT_MODE_OF[kv_layer.dtype])
-        _raw(flat).index_copy_(0, slots, _raw(q))
-        scale_layer[idx].view(-1, kvh).index_copy_(0, slots, scale)
+        _raw(pages).index_put_(where, _raw(q))
+        scale_layer[:, idx].index_put_(where, scale)
 
 
 def _gather(
@@ -91,10 +94,10 @@ def _gather(
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """Blocks [n, block_size, KV, D] of K (idx 0) or V (1), dequantized to `dtype`."""
-    pages = _raw(kv_layer[idx]).index_select(0, blocks)
+    pages = _raw(kv_layer[:, idx]).index_select(0, blocks)
     if scale_layer is None:
         return pages
-    scales = scale_layer[idx].index_select(0, blocks)
+    scales = scale_layer[:, idx].index_select(0, blocks)
     if kv_layer.dtype == torch.float8_e4m3fn and pages.device.type == "cpu":
         # CPU float8 -> float32 casts take a slow scalar path; a 256-entry table lookup
         # gives the same values about 4x faster.
@@ -117,17 +120,16 @@ def paged_attention(
     meta: AttentionMetadata,
     scale_layer: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, KV, D]; kv_layer: [2, N, bs, KV, D]. Returns [T, H * D].
+    """q: [T, H, D]; k, v: [T, KV, D]; kv_layer: [N, 2, bs, KV, D]. Returns [T, H * D].
 
-    `scale_layer` ([2, N, bs, KV]) is given exactly when the pool is quantized.
+    `scale_layer` ([N, 2, bs, KV]) is given exactly when the pool is quantized.
     Writes this step's K/V into the cache first, so decodes read their own token back.
     """
     t, h, d = q.shape
     kvh = k.shape[1]
     group = h // kvh
-    # index_copy_/index_select with 1-D indices: advanced indexing with a 2-D index costs
-    # time proportional to the whole cache on CPU. Reads gather whole blocks (fewer,
-    # larger copies than per-slot gathers).
+    # 1-D indices only: advanced indexing with a 2-D index costs time proportional to the
+    # whole cache on CPU. Reads gather whole blocks (fewer, larger copies than per-slot).
     _store(kv_layer, scale_layer, meta.slot_mapping, k, v)
     out = torch.empty(t, h * d, dtype=q.dtype, device=q.device)
 

@@ -7,7 +7,7 @@ batch of tokens; logits are computed only for the rows the sampler needs.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -16,8 +16,13 @@ from tierguard.model.attention import AttentionMetadata, paged_attention
 from tierguard.model.config import ModelConfig
 from tierguard.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
 
-if TYPE_CHECKING:
-    from tierguard.engine.weight_offload import WeightOffloader
+
+class LayerStreamer(Protocol):
+    """What the model knows of a weight offloader (tierguard/engine/weight_offload.py):
+    it streams layers in through forward hooks, and reports what that costs. Kept as a
+    protocol so the model never imports the engine."""
+
+    def stats(self) -> object: ...
 
 
 class Attention(nn.Module):
@@ -88,7 +93,7 @@ class LlamaModel(nn.Module):
         )
         # Set by WeightOffloader.attach when some decoder layers live in host memory; it
         # streams them in through forward pre-hooks, so forward() itself is unchanged.
-        self.weight_offloader: WeightOffloader | None = None
+        self.weight_offloader: LayerStreamer | None = None
 
     def forward(
         self,
@@ -105,7 +110,7 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         rope = self.rotary.tables(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, kv_cache[i], meta, None if kv_scale is None else kv_scale[i])
+            x = layer(x, rope, kv_cache[:, i], meta, None if kv_scale is None else kv_scale[:, i])
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -210,7 +210,7 @@ async def health(request: web.Request) -> web.Response:
     tiers = engine.tier_health() if hasattr(engine, "tier_health") else None
     if tiers is not None:
         body["kv_tiers"] = tiers
-        if not tiers["disk_healthy"]:
+        if not tiers["healthy"]:
             body["status"] = "degraded"
     return web.json_response(body)
 

@@ -7,7 +7,9 @@ series carries a `model_name` label, as vLLM's do.
 
 Three sources feed it:
 - engine snapshots (`EngineStats`), read at scrape time by a collector, so gauges are
-  never stale and counters are the engine's own cumulative totals;
+  never stale and counters are the engine's own cumulative totals. Its typed tier and
+  policy stats (tierguard/common/stats.py) export as `tierguard:engine_kv_*`: fields
+  declared as counters are Prometheus counters (`..._total`), the rest gauges;
 - per-step reports (`StepStats`), pushed by the engine thread (prometheus-client
   metrics are thread-safe);
 - per-request timings measured by the HTTP handler (TTFT, ITL, e2e).
@@ -22,6 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from tierguard.common.stats import COUNTER, samples
 from tierguard.engine.api import AsyncEngine, StepStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -117,8 +120,22 @@ class _EngineCollector(Collector):
         yield self._counter(
             "vllm:generation_tokens", "Generation tokens processed.", s.generation_tokens_total
         )
+        yield self._gauge(
+            "tierguard:engine_kv_blocks_cached",
+            "Free device blocks still holding a prefix.",
+            s.kv_blocks_cached,
+        )
+        yield self._counter(
+            "tierguard:engine_kv_block_evictions",
+            "Cached device blocks reused for other content.",
+            s.kv_block_evictions,
+        )
+        yield self._gauge("tierguard:engine_kv_block_size", "Tokens per KV block.", s.kv_block_size)
         for key, value in sorted(s.extra.items()):
-            yield self._gauge("tierguard:engine_" + _sanitize(key), f"Engine counter {key!r}.", value)
+            yield self._gauge("tierguard:engine_" + _sanitize(key), f"Engine gauge {key!r}.", value)
+        for sample in (*samples(s.tiers, "kv_"), *samples(s.policy, "kv_")):
+            make = self._counter if sample.kind == COUNTER else self._gauge
+            yield make("tierguard:engine_" + _sanitize(sample.name), sample.doc, sample.value)
         if s.histograms:
             h = HistogramMetricFamily(
                 "tierguard:kv_transfer_latency_seconds",

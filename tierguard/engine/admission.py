@@ -1,0 +1,104 @@
+"""Admission policies: which waiting request is next, whether it has room, who yields room.
+
+The scheduler calls one policy method per hook and keeps no policy of its own:
+
+    head(waiting)                          the request to try next
+    has_room(seq, match, reserve, running) may it be admitted now (before its first chunk
+                                           is checked against the pool)
+    on_no_room(head, waiting, ...)         it has no room: True when another request was
+                                           moved to the front instead (try again)
+    room_victim(running)                   at the start of a step: a running sequence to
+                                           swap out so a waiting one gets room
+
+`FifoAdmission` is nano-vllm's: strict arrival order, room for the first chunk only.
+`ContractAdmission` is used with tiers and applies the cold contract's class order
+(tierguard/kv/contract.py) with the block manager's facts:
+  - room for the whole remaining prompt plus the unfinished prefills of running
+    sequences (a long request waits for room instead of thrashing the pool);
+  - an interactive request within LOOKAHEAD goes before batch ones still within their
+    TTFT budget; past its budget a request is overtaken by no one (nothing starves);
+  - while the head waits for room within its budget, a smaller request that fits may
+    pass it; an interactive head that waits makes the newest running batch sequence
+    yield its room at the next step (swapped to host RAM, restored later).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from itertools import islice
+
+from tierguard.engine.block_manager import BlockManager, PrefixMatch
+from tierguard.engine.sequence import Sequence
+from tierguard.kv.contract import LOOKAHEAD, ColdContract
+
+
+class AdmissionPolicy:
+    def head(self, waiting: OrderedDict[str, Sequence]) -> Sequence:
+        return next(iter(waiting.values()))
+
+    def has_room(self, seq: Sequence, match: PrefixMatch, reserve: int, running: list[Sequence]) -> bool:
+        return True
+
+    def on_no_room(
+        self, head: Sequence, waiting: OrderedDict[str, Sequence], reserve: int, running: list[Sequence]
+    ) -> bool:
+        return False
+
+    def room_victim(self, running: list[Sequence]) -> Sequence | None:
+        return None
+
+
+class FifoAdmission(AdmissionPolicy):
+    """Arrival order; the first chunk's blocks are the only room asked for."""
+
+
+class ContractAdmission(AdmissionPolicy):
+    def __init__(self, block_manager: BlockManager, contract: ColdContract) -> None:
+        self.bm = block_manager
+        self.contract = contract
+        # An interactive request waits for room that a running batch sequence holds: the
+        # next step swaps that sequence out (not this one: it may be in this step's batch).
+        self._room_wanted = False
+
+    def head(self, waiting: OrderedDict[str, Sequence]) -> Sequence:
+        first = next(iter(waiting.values()))
+        if self.contract.goes_first(first.request_class) or self._overdue(first):
+            return first
+        for seq in islice(waiting.values(), 1, 1 + LOOKAHEAD):
+            if self.contract.goes_first(seq.request_class):
+                return seq
+        return first
+
+    def has_room(self, seq: Sequence, match: PrefixMatch, reserve: int, running: list[Sequence]) -> bool:
+        """Room for the whole remaining prompt, after the unfinished prefills of running ones."""
+        whole = len(seq) - len(match.block_ids) * self.bm.block_size
+        pending = sum(
+            self.bm.blocks_needed(s, s.num_pending_tokens) for s in running if s.num_pending_tokens > 1
+        )
+        return self.bm.can_admit(seq, match, whole, reserve=reserve + pending)
+
+    def on_no_room(
+        self, head: Sequence, waiting: OrderedDict[str, Sequence], reserve: int, running: list[Sequence]
+    ) -> bool:
+        if not self._overdue(head):
+            for cand in islice(waiting.values(), 0, 1 + LOOKAHEAD):
+                if cand is head or len(cand) >= len(head):
+                    continue
+                if self.has_room(cand, self.bm.lookup(cand), reserve, running):
+                    waiting.move_to_end(cand.seq_id, last=False)
+                    return True
+        self._room_wanted = self.contract.goes_first(head.request_class)
+        return False
+
+    def room_victim(self, running: list[Sequence]) -> Sequence | None:
+        if not self._room_wanted:
+            return None
+        self._room_wanted = False
+        for seq in reversed(running):
+            if self.contract.yields_room(seq.request_class) and seq.block_table:
+                return seq
+        return None
+
+    def _overdue(self, seq: Sequence) -> bool:
+        return self.contract.overdue(seq.request_class, seq.queued_at, time.monotonic())
