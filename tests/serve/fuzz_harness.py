@@ -83,6 +83,7 @@ class Fuzz:
     async def _start_servers(self) -> None:
         from aiohttp import web
 
+        from tierguard.common.peer_conn import guarded_runner
         from tierguard.common.peers import PeerLimits
         from tierguard.gate.app import GUARD, build_app
         from tierguard.gate.policy import AdmissionPolicy, GateSettings
@@ -91,7 +92,7 @@ class Fuzz:
         limits = PeerLimits(header_timeout_s=5, body_timeout_s=5, slow_reader_bytes=1 << 20)
         self.serve_app = create_app(self.engine, api_key=SERVE_KEY, limits=limits, tokenizer_workers=1)
         self.serve_state = self.serve_app[STATE_KEY]
-        self._runners = [self.serve_state.guard.runner(self.serve_app, handler_cancellation=True, access_log=None)]
+        self._runners = [guarded_runner(self.serve_state.guard, self.serve_app, handler_cancellation=True, access_log=None)]
         settings = GateSettings(upstream="http://127.0.0.1:1", api_keys=[GATE_KEY], upstream_api_key=SERVE_KEY,
                                 jobs_dir=self._tmp.name + "/jobs", tokenizer=str(self.model_dir), tokenizer_workers=1,
                                 header_timeout_s=5, body_timeout_s=5, async_workers=2,
@@ -100,7 +101,8 @@ class Fuzz:
             if name == "gate":
                 settings.upstream = f"http://127.0.0.1:{self.ports['serve']}"
             app = make()
-            runner = self._runners[0] if name == "serve" else app[GUARD].runner(
+            runner = self._runners[0] if name == "serve" else guarded_runner(
+                app[GUARD],
                 app, handler_cancellation=True, access_log=None)
             if name == "gate":
                 self._runners.append(runner)

@@ -18,6 +18,7 @@ import pytest
 from aiohttp import web
 
 from tests.common.test_tokenpool import GatedTokenizer
+from tierguard.common.peer_conn import guarded_runner
 from tierguard.common.peers import PeerLimits
 from tierguard.gate import AdmissionPolicy
 from tierguard.serve.app import STATE_KEY, create_app
@@ -27,7 +28,7 @@ from .fake_engine import FakeEngine
 
 @contextlib.asynccontextmanager
 async def guarded(app: web.Application):
-    runner = app[STATE_KEY].guard.runner(app, handler_cancellation=True, access_log=None)
+    runner = guarded_runner(app[STATE_KEY].guard, app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from tierguard.cli.gate import add_peer_flags, add_policy_flags, policy_from_args
 from tierguard.common.errors import TierguardError
+from tierguard.common.peer_conn import guarded_runner
 from tierguard.serve.tier_flags import add_tier_flags, tier_kwargs
 
 READY_PREFIX = "tierguard serve: ready on "
@@ -162,7 +163,8 @@ async def _serve(engine, args: argparse.Namespace, model_name: str) -> int:
     # handler_cancellation: a client that hangs up cancels its handler, whose `finally`
     # aborts the engine request, so even non-streaming requests free their blocks.
     # The guard's runner adds the header deadline to every connection.
-    runner = state.guard.runner(
+    runner = guarded_runner(
+        state.guard,
         app,
         handle_signals=False,
         handler_cancellation=True,

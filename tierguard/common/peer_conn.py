@@ -16,7 +16,17 @@ import sys
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from tierguard.common.peers import EdgeCounters, PeerGuard
+from tierguard.common.peers import LINGERING_S, EdgeCounters, PeerGuard
+
+
+def guarded_runner(guard: PeerGuard, app: web.Application, **kwargs) -> web.AppRunner:
+    """An AppRunner whose connections `guard` watches; `keepalive_timeout` from its limits."""
+    kwargs.setdefault("keepalive_timeout", guard.limits.keepalive_timeout_s)
+    # After a refused body (408/413), aiohttp reads and drops the rest for up to this long
+    # before closing, so the client sees the answer rather than a reset (its default is 10 s).
+    kwargs.setdefault("lingering_time", LINGERING_S)
+    kwargs.setdefault("logger", ServerLog(guard.counters))
+    return GuardedRunner(app, guard, **kwargs)
 
 
 class GuardedRunner(web.AppRunner):

@@ -28,14 +28,20 @@ import fcntl
 import math
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from aiohttp import web
 
 from tierguard.common.errors import TierguardError
 
-if TYPE_CHECKING:
-    from tierguard.common.peer_conn import GuardedProtocol
+
+class WatchedConnection(Protocol):
+    """What the middleware needs of a watched connection (peer_conn.GuardedProtocol)."""
+
+    def request_started(self) -> None: ...
+
+    def request_ended(self) -> None: ...
+
 
 try:
     from termios import TIOCOUTQ  # == SIOCOUTQ for sockets on Linux
@@ -96,7 +102,7 @@ class PeerGuard:
     def __init__(self, limits: PeerLimits | None = None) -> None:
         self.limits = (limits or PeerLimits()).validate()
         self.counters = EdgeCounters()
-        self.conns: dict[asyncio.BaseTransport, GuardedProtocol] = {}  # filled by peer_conn
+        self.conns: dict[asyncio.BaseTransport, WatchedConnection] = {}  # filled by peer_conn
 
     # -- headers ------------------------------------------------------------------------
     def middleware(self):
@@ -114,17 +120,6 @@ class PeerGuard:
                     conn.request_ended()
 
         return headers_complete
-
-    def runner(self, app: web.Application, **kwargs) -> web.AppRunner:
-        """An AppRunner whose connections are watched; `keepalive_timeout` from the limits."""
-        kwargs.setdefault("keepalive_timeout", self.limits.keepalive_timeout_s)
-        # After a refused body (408/413), aiohttp reads and drops the rest for up to this long
-        # before closing, so the client sees the answer rather than a reset (its default is 10 s).
-        kwargs.setdefault("lingering_time", LINGERING_S)
-        from tierguard.common.peer_conn import GuardedRunner, ServerLog
-
-        kwargs.setdefault("logger", ServerLog(self.counters))
-        return GuardedRunner(app, self, **kwargs)
 
     # -- bodies ---------------------------------------------------------------------------
     async def read_body(self, request: web.Request, max_bytes: int) -> bytes:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import aiohttp
 from aiohttp import web
 
+from tierguard.common.peer_conn import guarded_runner
 from tierguard.common.peers import PeerGuard, expect_json
 from tierguard.gate.forward import UpstreamError
 from tierguard.gate.http import auth_middleware, error_response, json_errors_middleware, tenant
@@ -84,7 +85,7 @@ def _refused(request: web.Request) -> None:
 
 
 def build_app(settings: GateSettings) -> web.Application:
-    """The gate; serve it with `app[GUARD].runner(app)` so the header deadline applies."""
+    """The gate; serve it with `guarded_runner(app[GUARD], app)` so the header deadline applies."""
     guard = PeerGuard(peer_limits(settings))
     # The size limit is enforced by read_json with a clear message; this is a backstop.
     # The guard's middleware goes first: it must see refused requests too (to stop their header timer).
@@ -115,7 +116,7 @@ async def serve(settings: GateSettings, on_ready: Callable[[int], None] | None =
     """Run until SIGINT/SIGTERM (or `stop` is set). Handlers are cancelled when a client
     disconnects, which is what frees its slot and closes its upstream request."""
     app = build_app(settings)
-    runner = app[GUARD].runner(app, access_log=None, handler_cancellation=True)
+    runner = guarded_runner(app[GUARD], app, access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port, backlog=4096)
     await site.start()

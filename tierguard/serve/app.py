@@ -58,7 +58,7 @@ def create_app(
     """The server; with `admission`, every generating request passes the gate's controller.
 
     `limits` are the slow-peer deadlines (docs/hardening.md); run the app with
-    `app[STATE_KEY].guard.runner(app)` for the header deadline to apply. The body limit
+    `guarded_runner(app[STATE_KEY].guard, app)` for the header deadline to apply. The body limit
     defaults to what the longest prompt that fits could need (`tokens_fit.py`).
     """
     if isinstance(served_model_name, str):
