@@ -100,6 +100,7 @@ def build_engine(
     num_threads: int | None = None,
     kv_dtype: str = "auto",
     weights_offload_gib: float | None = None,
+    weight_dtype: str = "auto",
 ) -> LLMEngine:
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)  # fail fast on a bad directory, before loading weights

@@ -233,6 +233,7 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
         self.scheduler.remove(seq)
+        self.runner.release(seq.seq_id)
         detok = self._detok.pop(seq.seq_id)
         del self.seqs[seq.seq_id]
         return self._output(seq, new_tokens, detok.take(True))

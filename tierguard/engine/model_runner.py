@@ -15,6 +15,7 @@ import torch
 from tierguard.common.errors import TierguardError
 from tierguard.engine.scheduler import ScheduledSeq
 from tierguard.kv.spec import DevicePool, KVLayout, dtype_name
+from tierguard.model import native
 from tierguard.model.attention import AttentionMetadata, PrefillChunk
 from tierguard.model.config import ModelConfig
 from tierguard.model.llama import LlamaModel
@@ -65,12 +66,84 @@ class ModelRunner:
         self.kv_scale: torch.Tensor | None = (
             self.device_pool.tensors[1] if len(self.device_pool.tensors) > 1 else None
         )
+        # Decodes on the CPU kernel when it covers this pool (float32, built); else gather + SDPA.
+        self.native_decode = self.kv_scale is None and native.supports(
+            self.kv_cache[:, 0], dtype, cfg.num_heads, cfg.num_kv_heads
+        )
+        # Block tables: row per sequence (see _row); grown on demand.
+        self._tables = torch.zeros(16, 64, dtype=torch.int32)
+        self._tables_dev: torch.Tensor | None = None
+        self._tables_dirty = True
+        self._rows: dict[str, list] = {}  # seq id -> [row, the table list, entries written]
+        self._free_rows: list[int] = list(range(15, -1, -1))
 
-    def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
-        bs = self.block_size
-        pos = torch.arange(start, end)
-        table = torch.tensor(block_table, dtype=torch.long)
-        return table[pos // bs] * bs + pos % bs
+    @property
+    def weight_dtype(self) -> str:
+        return "auto"
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the model's weights (parameters and buffers), each tensor counted once."""
+        seen: set[int] = set()
+        total = 0
+        for t in list(self.model.parameters()) + list(self.model.buffers()):
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+    # -- block tables: one persistent int32 row per sequence, updated by what changed --------
+    def _row(self, seq) -> int:
+        """The sequence's row in the table, with entries appended since the last step written.
+
+        Tables only grow by append or are replaced (admission, preemption), so the list's
+        identity tells a replaced table apart; holding the list keeps its id unique.
+        Cost per step ~ blocks added, not context length.
+        """
+        table = seq.block_table
+        rec = self._rows.get(seq.seq_id)
+        if rec is None or rec[1] is not table or rec[2] > len(table):
+            if rec is not None:
+                self._free_rows.append(rec[0])
+            if not self._free_rows:
+                self._grow_rows()
+            rec = [self._free_rows.pop(), table, 0]
+            self._rows[seq.seq_id] = rec
+        row, _, written = rec
+        if written < len(table):
+            if len(table) > self._tables.shape[1]:
+                self._grow_width(len(table))
+            self._tables[row, written : len(table)] = torch.tensor(table[written:], dtype=torch.int32)
+            rec[2] = len(table)
+            self._tables_dirty = True
+        return row
+
+    def release(self, seq_id: str) -> None:
+        """A finished or aborted sequence gives its table row back."""
+        rec = self._rows.pop(seq_id, None)
+        if rec is not None:
+            self._free_rows.append(rec[0])
+
+    def _grow_rows(self) -> None:
+        n = self._tables.shape[0]
+        self._tables = torch.cat([self._tables, torch.zeros_like(self._tables)])
+        self._free_rows.extend(range(2 * n - 1, n - 1, -1))
+        self._tables_dirty = True
+
+    def _grow_width(self, need: int) -> None:
+        rows, width = self._tables.shape
+        wider = torch.zeros(rows, max(need, 2 * width), dtype=torch.int32)
+        wider[:, :width] = self._tables
+        self._tables = wider
+        self._tables_dirty = True
+
+    def _device_tables(self) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return self._tables
+        if self._tables_dirty or self._tables_dev is None or self._tables_dev.shape != self._tables.shape:
+            self._tables_dev = self._tables.to(self.device, non_blocking=True)
+        self._tables_dirty = False
+        return self._tables_dev
 
     def prepare(
         self, batch: list[ScheduledSeq]
@@ -80,53 +153,61 @@ class ModelRunner:
         Decodes (single-token chunks) must come first in `batch`.
         """
         ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
+        pos: list[int] = []
         sample_rows: list[int] = []
-        decodes = [s for s in batch if s.num_tokens == 1]
-        b = len(decodes)
-        meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decodes=b)
+        b = 0
+        while b < len(batch) and batch[b].num_tokens == 1:
+            b += 1
+        rows = [self._row(s.seq) for s in batch]
+        tables = self._device_tables()
+        meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decodes=b)
         bs = self.block_size
+        slots: list[torch.Tensor] = []
         if b:
-            ctx = [s.seq.num_computed_tokens + 1 for s in decodes]
-            max_blocks = -(-max(ctx) // bs)
-            padded = []
-            for i, s in enumerate(decodes):
-                table = s.seq.block_table[:max_blocks]
-                padded.append(table + [0] * (max_blocks - len(table)))  # block 0: masked padding
+            ctx = [s.seq.num_computed_tokens + 1 for s in batch[:b]]
+            for i, s in enumerate(batch[:b]):
                 ids.append(s.seq.token_ids[ctx[i] - 1])
+                pos.append(ctx[i] - 1)
                 if s.samples:  # a 1-token prefill remainder does not sample
                     sample_rows.append(i)
-            tables = torch.tensor(padded, dtype=torch.long)
-            ctx_t = torch.tensor(ctx, dtype=torch.long)
-            keys = torch.arange(max_blocks * bs)
-            meta.decode_blocks = tables.to(self.device)
-            meta.decode_mask = (keys.unsqueeze(0) < ctx_t.unsqueeze(1)).view(b, 1, 1, -1).to(self.device)
-            last = ctx_t - 1
-            positions.append(last)
-            slots.append(tables.gather(1, (last // bs).unsqueeze(1)).squeeze(1) * bs + last % bs)
+            rows_t = torch.tensor(rows[:b], dtype=torch.int32)
+            ctx_t = torch.tensor(ctx, dtype=torch.int32)
+            if self.native_decode:
+                cfg = self.cfg
+                meta.decode_call = native.DecodeCall(
+                    tables, rows_t, ctx_t, max(ctx), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, bs
+                )
+            else:
+                max_blocks = -(-max(ctx) // bs)
+                dec_tables = tables.index_select(0, rows_t.to(self.device))[:, :max_blocks].long()
+                ctx_d = ctx_t.to(self.device).long()
+                keys = torch.arange(max_blocks * bs, device=self.device)
+                meta.decode_blocks = dec_tables
+                meta.decode_mask = (keys.unsqueeze(0) < ctx_d.unsqueeze(1)).view(b, 1, 1, -1)
+                last = ctx_d - 1
+                slots.append(dec_tables.gather(1, (last // bs).unsqueeze(1)).squeeze(1) * bs + last % bs)
         row = b
-        for s in batch[b:]:
+        for s, table_row in zip(batch[b:], rows[b:], strict=True):
             seq, start = s.seq, s.seq.num_computed_tokens
             end = start + s.num_tokens
             ids.extend(seq.token_ids[start:end])
-            positions.append(torch.arange(start, end))
-            slots.append(self._slots(seq.block_table, start, end))
-            num_ctx_blocks = -(-end // bs)
+            pos.extend(range(start, end))
+            blocks = tables[table_row, : -(-end // bs)].long()
+            p = torch.arange(start, end, device=self.device)
+            slots.append(blocks[p // bs] * bs + p % bs)
             chunk = PrefillChunk(row, row + s.num_tokens, start)
             if start:
-                chunk.context_blocks = torch.tensor(
-                    seq.block_table[:num_ctx_blocks], dtype=torch.long, device=self.device
-                )
-                q_pos = torch.arange(start, end, device=self.device).unsqueeze(1)
-                chunk.mask = torch.arange(end, device=self.device).unsqueeze(0) <= q_pos
+                chunk.context_blocks = blocks
+                chunk.mask = torch.arange(end, device=self.device).unsqueeze(0) <= p.unsqueeze(1)
             meta.prefills.append(chunk)
             row += s.num_tokens
             if s.samples:
                 sample_rows.append(row - 1)
-        meta.slot_mapping = torch.cat(slots).to(self.device)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        pos_t = torch.cat(positions).to(self.device)
+        if slots:
+            # With the kernel, decodes write their own K/V: slots cover the prefill rows only.
+            meta.slot_mapping = torch.cat(slots)
+        input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
+        pos_t = torch.tensor(pos, dtype=torch.long).to(self.device, non_blocking=True)
         return input_ids, pos_t, meta, sample_rows
 
     @torch.inference_mode()

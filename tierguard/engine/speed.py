@@ -1,7 +1,10 @@
 """Decode-speed probe: `python -m tierguard.engine.speed [--batch 1,32] [--threads N]`.
 
 Prints one JSON line per batch size: output tokens/s of steady-state decode (prefill
-excluded) on the default tiny model, or `--model DIR`. Timings on a shared machine are
+excluded) on the default tiny model, or `--model DIR`, then (unless `--no-profile`) a
+one-line summary of where a step's time goes (tierguard/engine/profile.py, measured
+with torch.profiler over further steps, so its absolute times include the profiler's
+own overhead; the JSON's `ms_per_step` does not). Timings on a shared machine are
 noisy; compare ratios within one run.
 """
 
@@ -9,22 +12,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import torch
 
 from tierguard.engine.api import SamplingParams
 from tierguard.engine.factory import build_engine
+from tierguard.engine.profile import profile_steps, summary_line
 from tierguard.model.tiny import ensure_tiny_model
 
 
-def measure(engine, batch: int, prompt_len: int, steps: int, temperature: float) -> dict:
+def measure(
+    engine, batch: int, prompt_len: int, steps: int, temperature: float, profile: int = 0
+) -> dict:
     prompt = [(7 * i) % (engine.model_config.vocab_size - 10) + 5 for i in range(prompt_len)]
     for i in range(batch):
         engine.add_request(
             f"speed-{batch}-{i}",
-            prompt,
-            SamplingParams(max_tokens=steps + 8, temperature=temperature, seed=i, ignore_eos=True),
+            [(t + i) % (engine.model_config.vocab_size - 10) + 5 for t in prompt],  # distinct: no prefix hits
+            SamplingParams(max_tokens=steps + profile + 8, temperature=temperature, seed=i, ignore_eos=True),
         )
     while any(s.is_prefill for s in engine.seqs.values()):
         engine.step()
@@ -33,9 +40,10 @@ def measure(engine, batch: int, prompt_len: int, steps: int, temperature: float)
     for _ in range(steps):
         tokens += sum(len(o.new_token_ids) for o in engine.step())
     elapsed = time.perf_counter() - start
+    parts = profile_steps(engine, profile) if profile else None
     for rid in list(engine.seqs):
         engine.abort(rid)
-    return {
+    out = {
         "batch": batch,
         "prompt_len": prompt_len,
         "steps": steps,
@@ -44,7 +52,12 @@ def measure(engine, batch: int, prompt_len: int, steps: int, temperature: float)
         "ms_per_step": round(elapsed / steps * 1000, 2),
         "threads": torch.get_num_threads(),
         "temperature": temperature,
+        "weight_dtype": engine.runner.weight_dtype,
+        "weight_bytes": engine.runner.weight_bytes,
     }
+    if parts is not None:
+        out["profile_ms_per_step"] = parts
+    return out
 
 
 def main() -> None:
@@ -55,19 +68,30 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--weight-dtype", default="auto", help="auto, int8 or int4 (weight-only quantization)")
+    ap.add_argument("--kv-cache-gib", type=float, default=0.25)
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--profile-steps", type=int, default=16, help="steps under torch.profiler (0: none)")
+    ap.add_argument("--no-profile", action="store_true")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    engine = build_engine(args.model or ensure_tiny_model(), kv_cache_gib=0.25, device="auto")
-    for b in [int(x) for x in args.batch.split(",")]:
-        print(
-            json.dumps(
-                {
-                    "model": engine.model_name,
-                    **measure(engine, b, args.prompt_len, args.steps, args.temperature),
-                }
-            )
-        )
+    batches = [int(x) for x in args.batch.split(",")]
+    max_len = args.max_model_len or args.prompt_len + args.steps + args.profile_steps + 16
+    engine = build_engine(
+        args.model or ensure_tiny_model(),
+        kv_cache_gib=args.kv_cache_gib,
+        device="auto",
+        num_threads=args.threads,
+        weight_dtype=args.weight_dtype,
+        max_model_len=max_len,
+        max_num_seqs=max(batches),
+        max_num_batched_tokens=max(512, max(batches)),
+    )
+    profile = 0 if args.no_profile else args.profile_steps
+    for b in batches:
+        result = measure(engine, b, args.prompt_len, args.steps, args.temperature, profile)
+        print(json.dumps({"model": engine.model_name, **result}), flush=True)
+        if profile:
+            print(f"profile batch {b}: {summary_line(result['profile_ms_per_step'])}", file=sys.stderr)
     engine.check_integrity()
 
 

@@ -21,15 +21,18 @@ unquantized K/V (they are in registers anyway); everything read back from the po
 through quantization.
 
 A forward pass covers a flat batch of tokens, ordered: all decode tokens first (one per
-sequence), then each prefill chunk. Decodes are batched into one SDPA call with a padding
-mask; each prefill chunk gets its own call (causal inside the chunk, full over the cached
-prefix).
+sequence), then each prefill chunk. On the CPU with a float32 pool, decodes go to one
+call of the C kernel per layer (tierguard/model/native.py: writes the new K/V and
+attends over the blocks where they are, no copy). Otherwise decodes gather their blocks
+and are batched into one SDPA call with a padding mask. Each prefill chunk gets its own
+SDPA call (causal inside the chunk, full over the cached prefix).
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -55,11 +58,14 @@ class PrefillChunk:
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] slot to write each token's K/V
+    # [T] slot to write each token's K/V; with `decode_call`, the prefill rows' only.
+    slot_mapping: torch.Tensor
     num_decodes: int = 0
     decode_blocks: torch.Tensor | None = None  # [B, max_blocks] block tables, padded with block 0
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size] True where a key is real
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # native.DecodeCall when the decodes use the CPU kernel (then decode_blocks/mask are unused).
+    decode_call: Any = None
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
@@ -130,10 +136,19 @@ def paged_attention(
     group = h // kvh
     # 1-D indices only: advanced indexing with a 2-D index costs time proportional to the
     # whole cache on CPU. Reads gather whole blocks (fewer, larger copies than per-slot).
-    _store(kv_layer, scale_layer, meta.slot_mapping, k, v)
-    out = torch.empty(t, h * d, dtype=q.dtype, device=q.device)
-
     b = meta.num_decodes
+    if b and meta.decode_call is not None and scale_layer is None:
+        # The kernel writes the decodes' K/V and attends in place.
+        out_decodes = meta.decode_call.run(q[:b], k[:b], v[:b], kv_layer)
+        if not meta.prefills:
+            return out_decodes
+        _store(kv_layer, None, meta.slot_mapping, k[b:], v[b:])
+        out = torch.empty(t, h * d, dtype=q.dtype, device=q.device)
+        out[:b] = out_decodes
+        b = 0
+    else:
+        _store(kv_layer, scale_layer, meta.slot_mapping, k, v)
+        out = torch.empty(t, h * d, dtype=q.dtype, device=q.device)
     if b:
         # Fold the GQA group into the query-length axis: [B, KV, G, D] against [B, KV, L, D].
         qd = q[:b].view(b, kvh, group, d)

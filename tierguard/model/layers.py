@@ -23,6 +23,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # One op, same arithmetic as below for float32 (fewer ops per decode layer).
+            return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
@@ -75,25 +78,29 @@ class RotaryEmbedding:
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = emb.cos().to(device)
         self.sin = emb.sin().to(device)
+        # sin with the first half negated: rotate_half(x) * sin == swap_halves(x) * sin_signed
+        # (the two halves of `sin` are equal), so rotation needs no negation op.
+        half = head_dim // 2
+        self.sin_signed = torch.cat([-self.sin[:, :half], self.sin[:, half:]], dim=-1)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for these positions, shaped [T, 1, D] to broadcast over heads.
+        """cos and signed sin for these positions, shaped [T, 1, D] to broadcast over heads.
 
         Computed once per forward pass and shared by all layers.
         """
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        cos = self.cos.index_select(0, positions).unsqueeze(1).to(dtype)
+        return cos, self.sin_signed.index_select(0, positions).unsqueeze(1).to(dtype)
 
 
-def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [T, H, D], k: [T, KV, D]; cos, sin: [T, 1, D]."""
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x: [T, N, D] (queries and keys together: N = H + KV heads).
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    Equals transformers' `x * cos + rotate_half(x) * sin` bit for bit (same products and
+    sums), in three ops instead of seven per tensor.
+    """
+    d = x.shape[-1]
+    swapped = x.unflatten(-1, (2, d // 2)).flip(-2).flatten(-2)
+    return torch.addcmul(x * cos, swapped, sin_signed)
 
 
 class SwiGLU(nn.Module):

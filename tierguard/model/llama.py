@@ -46,15 +46,16 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         scale_layer: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
+        t, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, kvh, d)
+        if self.q_norm is None or self.k_norm is None:
+            # Queries and keys rotated together: one rotation per layer.
+            qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(t, h + kvh, d), *rope)
+            q, k = qk[:, :h], qk[:, h:]
+        else:
+            q = apply_rotary(self.q_norm(qkv[:, : self.q_size].view(t, h, d)), *rope)
+            k = apply_rotary(self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, kvh, d)), *rope)
         return self.o_proj(paged_attention(q, k, v, kv_layer, meta, scale_layer))
 
 

@@ -1,0 +1,59 @@
+"""The CPU decode kernel (tierguard/model/native.py) equals the torch path it replaces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tierguard.model import native
+from tierguard.model.attention import AttentionMetadata, paged_attention
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: the kernel is not built")
+
+
+def _torch_decode(q, k, v, layer, tables, ctx, bs):
+    """The gather + SDPA path on a copy of the pool: (output, pool after the write)."""
+    layer = layer.clone()
+    b = q.shape[0]
+    nb = -(-int(ctx.max()) // bs)
+    tl = tables[:, :nb].long()
+    last = ctx.long() - 1
+    slots = tl.gather(1, (last // bs).unsqueeze(1)).squeeze(1) * bs + last % bs
+    mask = (torch.arange(nb * bs).unsqueeze(0) < ctx.long().unsqueeze(1)).view(b, 1, 1, -1)
+    meta = AttentionMetadata(slot_mapping=slots, num_decodes=b, decode_blocks=tl, decode_mask=mask)
+    return paged_attention(q, k, v, layer, meta), layer
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,bs",
+    [(9, 3, 64, 16), (8, 8, 32, 4), (8, 2, 36, 8), (4, 1, 128, 16)],  # GQA, MHA, odd dim, MQA
+)
+def test_kernel_matches_torch_path(heads, kv_heads, head_dim, bs):
+    gen = torch.Generator().manual_seed(heads * 100 + head_dim)
+    num_blocks, batch = 64, 5
+    pool = torch.randn(num_blocks, 3, 2, bs, kv_heads, head_dim, generator=gen)
+    layer = pool[:, 1]  # a middle layer's strided view, as the model passes it
+    ctx = torch.tensor([1, bs, bs + 1, 3 * bs - 2, 5 * bs], dtype=torch.int32)
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(batch + 2, 8, dtype=torch.int32)
+    rows = torch.tensor([3, 0, 6, 1, 4], dtype=torch.int32)  # rows out of order
+    for i, r in enumerate(rows.tolist()):
+        tables[r] = perm[i * 8 : (i + 1) * 8].to(torch.int32)
+    # q/k/v as the model hands them: views of one [B, H + 2 KV, D] projection
+    qkv = torch.randn(batch, heads + 2 * kv_heads, head_dim, generator=gen)
+    q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    ref, ref_pool = _torch_decode(q, k, v, layer, tables[rows.long()], ctx, bs)
+    mine_pool = pool.clone()
+    call = native.DecodeCall(tables, rows, ctx, int(ctx.max()), heads, kv_heads, head_dim, bs)
+    out = call.run(q, k, v, mine_pool[:, 1])
+    assert out.shape == ref.shape
+    assert torch.allclose(out, ref, atol=2e-6, rtol=1e-5), (out - ref).abs().max()
+    assert torch.equal(mine_pool[:, 1], ref_pool)  # the new K/V landed in the same slots
+    assert torch.equal(mine_pool[:, 0], pool[:, 0]) and torch.equal(mine_pool[:, 2], pool[:, 2])
+
+
+def test_supports_only_float32_cpu_pools():
+    pool = torch.zeros(4, 2, 2, 16, 2, 64)
+    assert native.supports(pool[:, 0], torch.float32, 8, 2)
+    assert not native.supports(pool[:, 0].to(torch.bfloat16), torch.bfloat16, 8, 2)
+    assert not native.supports(pool[:, 0], torch.bfloat16, 8, 2)

@@ -1,0 +1,206 @@
+"""The CPU decode-attention kernel (cpu_kernels.c): built once, loaded with ctypes.
+
+Why C and not torch: on CPU a decode step is too short for eager torch's per-op cost,
+and torch has no op that reads a paged KV pool in place (see cpu_kernels.c). The kernel
+is plain C (no torch headers), so building it takes about a second with the system
+compiler; the shared object is cached under `$TIERGUARD_CACHE/kernels/` keyed by the
+source, the flags and the compiler, and renamed into place atomically.
+
+Without a compiler, or with `TIERGUARD_NATIVE=0`, `available()` is False and attention
+uses the torch path (attention.py), which computes the same result from a gathered copy.
+The kernel's OpenMP regions run on torch's own OpenMP runtime (the shared object's
+libgomp.so.1 resolves to the one torch already loaded), so both share one thread pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+# -ffast-math lets the compiler vectorize expf (glibc's libmvec) and the dot products'
+# reductions; the kernel uses no infinities or NaNs (scores start at -FLT_MAX).
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c99"]
+ABI_VERSION = 1
+
+
+class DecodeArgs(ctypes.Structure):
+    """Mirror of tg_decode_args in cpu_kernels.c (same order and types)."""
+
+    _fields_ = [
+        ("batch", ctypes.c_int32),
+        ("heads", ctypes.c_int32),
+        ("kv_heads", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("block_size", ctypes.c_int32),
+        ("q_stride", ctypes.c_int64),
+        ("k_stride", ctypes.c_int64),
+        ("v_stride", ctypes.c_int64),
+        ("blk_stride", ctypes.c_int64),
+        ("v_offset", ctypes.c_int64),
+        ("table_stride", ctypes.c_int64),
+        ("work_stride", ctypes.c_int64),
+        ("scale", ctypes.c_float),
+        ("q", ctypes.c_void_p),
+        ("k_new", ctypes.c_void_p),
+        ("v_new", ctypes.c_void_p),
+        ("pool", ctypes.c_void_p),
+        ("tables", ctypes.c_void_p),
+        ("rows", ctypes.c_void_p),
+        ("ctx", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("work", ctypes.c_void_p),
+    ]
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("TIERGUARD_CACHE")
+    return (Path(env) if env else Path.home() / ".cache" / "tierguard") / "kernels"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _machine() -> str:
+    """-march=native code is only valid on this CPU: its flags are part of the key."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def build(cc: str) -> Path:
+    """Compile (or reuse) the shared object; raises RuntimeError with the compiler's words."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _machine()]).encode()
+    ).hexdigest()[:16]
+    target = _cache_dir() / f"tg_cpu_{key}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run(
+            [cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=300
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-400:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, or None (disabled, no compiler, or a failed build)."""
+    if os.environ.get("TIERGUARD_NATIVE", "1") == "0":
+        return None
+    cc = _compiler()
+    if cc is None:
+        log.warning("no C compiler found: CPU decode attention uses the torch path (gathered copy)")
+        return None
+    try:
+        lib = ctypes.CDLL(str(build(cc)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.warning("CPU decode kernel unavailable (%s): using the torch path", exc)
+        return None
+    if lib.tg_abi_version() != ABI_VERSION:
+        log.warning("CPU decode kernel has another ABI version: using the torch path")
+        return None
+    lib.tg_decode_attention_f32.argtypes = [ctypes.POINTER(DecodeArgs)]
+    lib.tg_decode_attention_f32.restype = ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def supports(kv_layer: torch.Tensor, dtype: torch.dtype, heads: int, kv_heads: int) -> bool:
+    """The kernel covers float32 pools and queries on the CPU, group sizes up to 64, and
+    a pool whose slots are contiguous [kv_heads, head_dim] rows (always, for the pool
+    tierguard.kv.spec allocates)."""
+    _n, _two, _bs, kvh, d = kv_layer.shape
+    return (
+        kv_layer.device.type == "cpu"
+        and kv_layer.dtype == torch.float32
+        and dtype == torch.float32
+        and heads // kv_heads <= 64
+        and kv_layer.stride()[2:] == (kvh * d, d, 1)
+        and available()
+    )
+
+
+class DecodeCall:
+    """The per-step part of the kernel's arguments, built once per step; each layer then
+    sets its own pointers (q, new K/V, its pool view, out) and calls `run`."""
+
+    def __init__(
+        self,
+        tables: torch.Tensor,
+        rows: torch.Tensor,
+        ctx: torch.Tensor,
+        max_ctx: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        block_size: int,
+    ) -> None:
+        batch = rows.numel()
+        self.tables, self.rows, self.ctx = tables, rows, ctx  # keep them alive
+        self.work = torch.empty(batch * heads, max_ctx, dtype=torch.float32)
+        self.args = DecodeArgs(
+            batch=batch,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            block_size=block_size,
+            table_stride=tables.stride(0),
+            work_stride=max_ctx,
+            scale=head_dim**-0.5,
+            tables=tables.data_ptr(),
+            rows=rows.data_ptr(),
+            ctx=ctx.data_ptr(),
+            work=self.work.data_ptr(),
+        )
+        self._fn = library().tg_decode_attention_f32
+        self._ref = ctypes.byref(self.args)
+
+    def run(
+        self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, kv_layer: torch.Tensor
+    ) -> torch.Tensor:
+        """q: [B, H, D]; k_new, v_new: [B, KV, D], each token's heads contiguous (any
+        stride between tokens); kv_layer: [N, 2, bs, KV, D] (a layer's view). Returns
+        [B, H * D]. Writes the new K/V into the pool first."""
+        a = self.args
+        out = torch.empty(a.batch, a.heads * a.head_dim, dtype=torch.float32)
+        a.q_stride, a.k_stride, a.v_stride = q.stride(0), k_new.stride(0), v_new.stride(0)
+        a.blk_stride = kv_layer.stride(0)
+        a.v_offset = kv_layer.stride(1)
+        a.q, a.k_new, a.v_new = q.data_ptr(), k_new.data_ptr(), v_new.data_ptr()
+        a.pool, a.out = kv_layer.data_ptr(), out.data_ptr()
+        if self._fn(self._ref) != 0:
+            raise RuntimeError("CPU decode kernel: group size over 64")
+        return out
