@@ -19,6 +19,7 @@ from tierguard.model import native
 from tierguard.model.attention import AttentionMetadata, PrefillChunk
 from tierguard.model.config import ModelConfig
 from tierguard.model.llama import LlamaModel
+from tierguard.model.quantize import weight_bytes
 
 KV_DTYPES = ("auto", "fp8", "int8")  # auto = the model dtype, no scales
 
@@ -79,18 +80,13 @@ class ModelRunner:
 
     @property
     def weight_dtype(self) -> str:
-        return "auto"
+        """auto (float weights), int8 or int4."""
+        return getattr(self.model, "weight_dtype", "auto")
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of the model's weights (parameters and buffers), each tensor counted once."""
-        seen: set[int] = set()
-        total = 0
-        for t in list(self.model.parameters()) + list(self.model.buffers()):
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
-        return total
+        """Bytes of the model's weights, quantized scales included, each storage once."""
+        return weight_bytes(self.model)
 
     # -- block tables: one persistent int32 row per sequence, updated by what changed --------
     def _row(self, seq) -> int:

@@ -149,4 +149,207 @@ int tg_decode_attention_f32(const tg_decode_args *a) {
     return 0;
 }
 
-int tg_abi_version(void) { return 1; }
+
+
+/* ---- weight-only int8 / int4 matmuls for few rows (decode) ------------------------
+ *
+ * y[m, n] = sum_k x[m, k] * w[n, k] for M <= TG_MAX_M activation rows, with w quantized:
+ *   int8: w[n, k] = q[n, k] * scale[n]                      q: int8 [N, K]
+ *   int4: w[n, k] = q * scale[n, g] + lo[n, g], g = k / G,   q: 4 bits, 0..15,
+ *         scale and lo float16
+ *         (GGUF Q4_1's layout: in group g of row n, byte j of the G/2 bytes holds
+ *          element j in its low nibble and element j + G/2 in its high nibble)
+ * Each weight byte is read once and widened in registers; all M rows use it. With few
+ * rows this is bound by memory bandwidth, which is the point of quantizing. Rows of y
+ * are split over the OpenMP threads.
+ */
+#include <stdlib.h>
+
+#define TG_MAX_M 8
+
+static inline v8 load8(const float *p) { return *(const v8 *)p; }
+
+/* 8 int8 -> 8 floats; 8 bytes -> their 8 low and 8 high nibbles as floats. x86 AVX2
+ * intrinsics where the compiler targets them (GCC scalarises the generic conversion),
+ * plain loops elsewhere. */
+#if defined(__AVX2__)
+#include <immintrin.h>
+static inline v8 i8_to_f32(const int8_t *p) {
+    return (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline void u4_to_f32(const uint8_t *p, v8 *lo, v8 *hi) {
+    const __m128i b = _mm_loadl_epi64((const __m128i *)p), mask = _mm_set1_epi8(15);
+    *lo = (v8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, mask)));
+    *hi = (v8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask)));
+}
+#else
+static inline v8 i8_to_f32(const int8_t *p) {
+    v8 r;
+    for (int i = 0; i < 8; i++) r[i] = (float)p[i];
+    return r;
+}
+static inline void u4_to_f32(const uint8_t *p, v8 *lo, v8 *hi) {
+    for (int i = 0; i < 8; i++) {
+        (*lo)[i] = (float)(p[i] & 15);
+        (*hi)[i] = (float)(p[i] >> 4);
+    }
+}
+#endif
+
+static inline void gemv_int8_rows(const float *x, int M, int64_t K, const int8_t *w, const float *scale,
+                                  int64_t n0, int64_t n1, float *y, int64_t ldy) {
+    for (int64_t n = n0; n < n1; n++) {
+        const int8_t *wr = w + n * K;
+        v8 acc[TG_MAX_M];
+        for (int m = 0; m < M; m++) acc[m] = (v8){0};
+        int64_t k = 0;
+        for (; k + 8 <= K; k += 8) {
+            const v8 wf = i8_to_f32(wr + k);
+            for (int m = 0; m < M; m++) acc[m] += wf * load8(x + m * K + k);
+        }
+        for (int m = 0; m < M; m++) {
+            float s = hsum8(acc[m]);
+            for (int64_t kk = k; kk < K; kk++) s += x[m * K + kk] * (float)wr[kk];
+            y[m * ldy + n] = s * scale[n];
+        }
+    }
+}
+
+/* IEEE half -> float (int4 scales and mins are stored as float16: GGUF's own width). */
+static inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            int e = -1;
+            uint32_t m = man;
+            do { e++; m <<= 1; } while (!(m & 0x400));
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((m & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000 | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static inline void gemv_int4_rows(const float *x, int M, int64_t K, const uint8_t *w, const uint16_t *scale,
+                                  const uint16_t *lo, int64_t G, const float *xsum, int64_t n0, int64_t n1,
+                                  float *y, int64_t ldy) {
+    const int64_t ng = K / G, half = G / 2;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *wr = w + n * (K / 2);
+        v8 acc[TG_MAX_M];
+        float lacc[TG_MAX_M];
+        for (int m = 0; m < M; m++) {
+            acc[m] = (v8){0};
+            lacc[m] = 0.f;
+        }
+        for (int64_t g = 0; g < ng; g++) {
+            const uint8_t *b = wr + g * half;
+            v8 part[TG_MAX_M];
+            for (int m = 0; m < M; m++) part[m] = (v8){0};
+            for (int64_t j = 0; j < half; j += 8) {
+                v8 ql, qh;
+                u4_to_f32(b + j, &ql, &qh);
+                for (int m = 0; m < M; m++) {
+                    const float *xg = x + m * K + g * G + j;
+                    part[m] += ql * load8(xg) + qh * load8(xg + half);
+                }
+            }
+            const float s = half_to_float(scale[n * ng + g]), l = half_to_float(lo[n * ng + g]);
+            for (int m = 0; m < M; m++) {
+                acc[m] += s * part[m];
+                lacc[m] += l * xsum[m * ng + g];
+            }
+        }
+        for (int m = 0; m < M; m++) y[m * ldy + n] = hsum8(acc[m]) + lacc[m];
+    }
+}
+
+/* Specialised on M so the inner loops over m unroll. */
+#define TG_SPLIT(CALL)                                                                   \
+    switch (M) {                                                                         \
+    case 1: { const int M = 1; CALL; } break;                                            \
+    case 2: { const int M = 2; CALL; } break;                                            \
+    case 3: { const int M = 3; CALL; } break;                                            \
+    case 4: { const int M = 4; CALL; } break;                                            \
+    case 5: { const int M = 5; CALL; } break;                                            \
+    case 6: { const int M = 6; CALL; } break;                                            \
+    case 7: { const int M = 7; CALL; } break;                                            \
+    default: { const int M = 8; CALL; } break;                                           \
+    }
+
+/* Returns 0, or -1 for shapes the kernel does not take (the caller uses torch then). */
+int tg_gemv_int8(const float *x, int64_t M, int64_t K, const int8_t *w, const float *scale, int64_t N,
+                 float *y, int64_t ldy) {
+    if (M < 1 || M > TG_MAX_M) return -1;
+#pragma omp parallel for schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += 16) {
+        const int64_t n1 = n0 + 16 < N ? n0 + 16 : N;
+        TG_SPLIT(gemv_int8_rows(x, M, K, w, scale, n0, n1, y, ldy))
+    }
+    return 0;
+}
+
+int tg_gemv_int4(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *scale,
+                 const uint16_t *lo, int64_t G, int64_t N, float *y, int64_t ldy) {
+    if (M < 1 || M > TG_MAX_M || G % 16 != 0 || K % G != 0) return -1;
+    const int64_t ng = K / G;
+    float *xsum = malloc(sizeof(float) * M * ng); /* sum of x over each group: the lo term */
+    if (!xsum) return -1;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < ng; g++) {
+            float s = 0.f;
+            for (int64_t j = 0; j < G; j++) s += x[m * K + g * G + j];
+            xsum[m * ng + g] = s;
+        }
+#pragma omp parallel for schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += 16) {
+        const int64_t n1 = n0 + 16 < N ? n0 + 16 : N;
+        TG_SPLIT(gemv_int4_rows(x, M, K, w, scale, lo, G, xsum, n0, n1, y, ldy))
+    }
+    free(xsum);
+    return 0;
+}
+
+/* Rows [r0, r1) of the weight as float32 into out [(r1 - r0), K]: for many activation
+ * rows (prefill) the caller multiplies such blocks with torch's GEMM instead. */
+void tg_dequant_int8(const int8_t *w, const float *scale, int64_t K, int64_t r0, int64_t r1, float *out) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = r0; n < r1; n++) {
+        const int8_t *wr = w + n * K;
+        float *o = out + (n - r0) * K;
+        int64_t k = 0;
+        for (; k + 8 <= K; k += 8) *(v8 *)(o + k) = i8_to_f32(wr + k) * scale[n];
+        for (; k < K; k++) o[k] = (float)wr[k] * scale[n];
+    }
+}
+
+void tg_dequant_int4(const uint8_t *w, const uint16_t *scale, const uint16_t *lo, int64_t K, int64_t G, int64_t r0,
+                     int64_t r1, float *out) {
+    const int64_t ng = K / G, half = G / 2;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = r0; n < r1; n++)
+        for (int64_t g = 0; g < ng; g++) {
+            const uint8_t *b = w + n * (K / 2) + g * half;
+            const float s = half_to_float(scale[n * ng + g]), l = half_to_float(lo[n * ng + g]);
+            float *o = out + (n - r0) * K + g * G;
+            for (int64_t j = 0; j < half; j += 8) {
+                v8 ql, qh;
+                u4_to_f32(b + j, &ql, &qh);
+                *(v8 *)(o + j) = ql * s + l;
+                *(v8 *)(o + j + half) = qh * s + l;
+            }
+        }
+}
+int tg_abi_version(void) { return 2; }

@@ -15,6 +15,7 @@ from torch import nn
 from tierguard.model.attention import AttentionMetadata, paged_attention
 from tierguard.model.config import ModelConfig
 from tierguard.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+from tierguard.model.qlinear import QuantEmbedding
 
 
 class LayerStreamer(Protocol):
@@ -92,6 +93,8 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, device
         )
+        # "auto" (float weights), "int8" or "int4": set by the loader (tierguard/model/quantize.py).
+        self.weight_dtype = "auto"
         # Set by WeightOffloader.attach when some decoder layers live in host memory; it
         # streams them in through forward pre-hooks, so forward() itself is unchanged.
         self.weight_offloader: LayerStreamer | None = None
@@ -115,5 +118,9 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return hidden @ weight.t()
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        if isinstance(head, nn.Embedding | nn.Linear):
+            return hidden @ head.weight.t()
+        if isinstance(head, QuantEmbedding):  # tied and quantized: the same matrix
+            return head.linear(hidden)
+        return head(hidden)

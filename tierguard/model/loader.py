@@ -1,22 +1,27 @@
 """Load a Llama-family model from a local Hugging Face directory (never a hub).
 
 Reads config.json and every *.safetensors file (through model.safetensors.index.json when
-the checkpoint is sharded), fuses q/k/v and gate/up, and returns the model on the chosen
-device and dtype.
+the checkpoint is sharded) one tensor at a time, fuses q/k/v and gate/up, and returns the
+model on the chosen device and dtype, with weight-only int8/int4 quantization at load
+when asked.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from tierguard.common.errors import TierguardError
 from tierguard.model.config import ModelConfig
 from tierguard.model.layers import RotaryEmbedding
 from tierguard.model.llama import LlamaModel
+from tierguard.model.qlinear import WEIGHT_DTYPES
+from tierguard.model.quantize import WeightQuantizer, release_free_memory
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -49,71 +54,110 @@ def _weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for path in _weight_files(model_dir):
-        if not path.is_file():
-            raise TierguardError(f"weight shard {path} listed in the index is missing")
-        with safe_open(str(path), framework="pt") as f:
+class _Checkpoint:
+    """The checkpoint's tensors by name, read one at a time on demand (never all at
+    once: with quantization at load, memory holds one float tensor beside the model)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self._files = []
+        self._where: dict[str, object] = {}
+        for path in _weight_files(model_dir):
+            if not path.is_file():
+                raise TierguardError(f"weight shard {path} listed in the index is missing")
+            f = safe_open(str(path), framework="pt")
+            self._files.append(f)
             for name in f.keys():
-                tensors[name] = f.get_tensor(name)
-    return tensors
+                self._where[name] = f
 
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
 
-def _fused_state_dict(raw: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Map HF names onto LlamaModel's (fused qkv and gate_up, no "model." prefix)."""
-
-    def take(name: str) -> torch.Tensor:
-        if name not in raw:
+    def take(self, name: str) -> torch.Tensor:
+        if name not in self._where:
             raise TierguardError(f"checkpoint lacks tensor {name!r}")
-        return raw[name]
+        return self._where[name].get_tensor(name)
 
-    out: dict[str, torch.Tensor] = {
-        "embed_tokens.weight": take("model.embed_tokens.weight"),
-        "norm.weight": take("model.norm.weight"),
-    }
+
+def _fused_tensors(ckpt: _Checkpoint, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """LlamaModel's tensors under its names (fused qkv and gate_up, no "model." prefix),
+    one at a time."""
+    take = ckpt.take
+    yield "norm.weight", take("model.norm.weight")
     if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = raw.get("lm_head.weight", out["embed_tokens.weight"])
+        name = "lm_head.weight" if "lm_head.weight" in ckpt else "model.embed_tokens.weight"
+        yield "lm_head.weight", take(name)
+    yield "embed_tokens.weight", take("model.embed_tokens.weight")
     for i in range(cfg.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         att = src + "self_attn."
-        out[dst + "self_attn.qkv_proj.weight"] = torch.cat([take(att + f"{p}_proj.weight") for p in "qkv"])
+        yield dst + "self_attn.qkv_proj.weight", torch.cat([take(att + f"{p}_proj.weight") for p in "qkv"])
         if cfg.qkv_bias:
-            out[dst + "self_attn.qkv_proj.bias"] = torch.cat([take(att + f"{p}_proj.bias") for p in "qkv"])
-        out[dst + "self_attn.o_proj.weight"] = take(att + "o_proj.weight")
+            yield dst + "self_attn.qkv_proj.bias", torch.cat([take(att + f"{p}_proj.bias") for p in "qkv"])
+        yield dst + "self_attn.o_proj.weight", take(att + "o_proj.weight")
         if cfg.o_bias:
-            out[dst + "self_attn.o_proj.bias"] = take(att + "o_proj.bias")
+            yield dst + "self_attn.o_proj.bias", take(att + "o_proj.bias")
         if cfg.qk_norm:
-            out[dst + "self_attn.q_norm.weight"] = take(att + "q_norm.weight")
-            out[dst + "self_attn.k_norm.weight"] = take(att + "k_norm.weight")
+            yield dst + "self_attn.q_norm.weight", take(att + "q_norm.weight")
+            yield dst + "self_attn.k_norm.weight", take(att + "k_norm.weight")
         mlp = src + "mlp."
-        out[dst + "mlp.gate_up_proj.weight"] = torch.cat(
-            [take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]
-        )
-        out[dst + "mlp.down_proj.weight"] = take(mlp + "down_proj.weight")
-        out[dst + "input_layernorm.weight"] = take(src + "input_layernorm.weight")
-        out[dst + "post_attention_layernorm.weight"] = take(src + "post_attention_layernorm.weight")
-    return out
+        yield dst + "mlp.gate_up_proj.weight", torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
+        yield dst + "mlp.down_proj.weight", take(mlp + "down_proj.weight")
+        yield dst + "input_layernorm.weight", take(src + "input_layernorm.weight")
+        yield dst + "post_attention_layernorm.weight", take(src + "post_attention_layernorm.weight")
 
 
 def load_model(
-    model_dir: str | Path, dtype: str = "auto", device: str = "auto"
+    model_dir: str | Path,
+    dtype: str = "auto",
+    device: str = "auto",
+    weight_dtype: str = "auto",
+    int4_group: int = 32,
 ) -> tuple[LlamaModel, ModelConfig, torch.dtype, torch.device]:
+    """The model on `device`, float weights in `dtype`; with `weight_dtype` int8 or int4
+    the linear layers and the embedding are quantized tensor by tensor as they are read
+    (tierguard/model/quantize.py), so no float copy of the whole model is ever held."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise TierguardError(f"model directory {model_dir} does not exist")
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise TierguardError(f"--weight-dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
     cfg = ModelConfig.from_dir(model_dir)
     torch_dtype = resolve_dtype(dtype, cfg)
     dev = resolve_device(device)
-    state = _fused_state_dict(_read_tensors(model_dir), cfg)
     with torch.device("meta"):
         model = LlamaModel(cfg)
-    model.load_state_dict(state, strict=True, assign=True)
-    model = model.to(device=dev, dtype=torch_dtype)
-    # Rotary tables were built on "meta"; rebuild them for real, in float32 (cast per use,
-    # like the reference implementation).
+    quant = WeightQuantizer(weight_dtype, int4_group, dev, torch_dtype) if weight_dtype != "auto" else None
+    ckpt = _Checkpoint(model_dir)
+    for name, tensor in _fused_tensors(ckpt, cfg):
+        if quant is not None and quant.wants(name):
+            quant.place(model, name, tensor)
+        else:
+            set_tensor(model, name, tensor.to(device=dev, dtype=torch_dtype))
+        del tensor
+    finish_load(model, cfg, dev, quant)
+    model.weight_dtype = weight_dtype
+    return model, cfg, torch_dtype, dev
+
+
+def set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if attr not in module._parameters:
+        raise TierguardError(f"model has no parameter {name!r}")
+    module._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
+
+
+def finish_load(model: LlamaModel, cfg: ModelConfig, dev: torch.device, quant: WeightQuantizer | None) -> None:
+    """Checks every parameter was loaded, ties a quantized embedding to the lm_head,
+    rebuilds the rotary tables (they were built on "meta"; float32, cast per use, like
+    the reference implementation) and hands freed float memory back to the OS."""
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise TierguardError(f"checkpoint lacks tensors for {missing[:3]}")
+    if quant is not None:
+        quant.finish(model)
     model.rotary = RotaryEmbedding(
         cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dev
     )
     model.eval()
-    return model, cfg, torch_dtype, dev
+    release_free_memory()

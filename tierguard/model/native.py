@@ -32,7 +32,7 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # -ffast-math lets the compiler vectorize expf (glibc's libmvec) and the dot products'
 # reductions; the kernel uses no infinities or NaNs (scores start at -FLT_MAX).
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c99"]
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 
 class DecodeArgs(ctypes.Structure):
@@ -131,6 +131,15 @@ def library() -> ctypes.CDLL | None:
         return None
     lib.tg_decode_attention_f32.argtypes = [ctypes.POINTER(DecodeArgs)]
     lib.tg_decode_attention_f32.restype = ctypes.c_int
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.tg_gemv_int8.argtypes = [p, i64, i64, p, p, i64, p, i64]
+    lib.tg_gemv_int8.restype = ctypes.c_int
+    lib.tg_gemv_int4.argtypes = [p, i64, i64, p, p, p, i64, i64, p, i64]
+    lib.tg_gemv_int4.restype = ctypes.c_int
+    lib.tg_dequant_int8.argtypes = [p, p, i64, i64, i64, p]
+    lib.tg_dequant_int8.restype = None
+    lib.tg_dequant_int4.argtypes = [p, p, p, i64, i64, i64, i64, p]
+    lib.tg_dequant_int4.restype = None
     return lib
 
 
@@ -204,3 +213,48 @@ class DecodeCall:
         if self._fn(self._ref) != 0:
             raise RuntimeError("CPU decode kernel: group size over 64")
         return out
+
+
+# -- weight-only int8 / int4 matmuls (tierguard/model/qlinear.py holds the layouts) ------
+MAX_GEMV_ROWS = 8  # TG_MAX_M in cpu_kernels.c
+
+
+def gemv_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M <= 8, K] float32 contiguous; q int8 [N, K]; scale float32 [N]. Returns [M, N]."""
+    m, k = x.shape
+    n = q.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    rc = library().tg_gemv_int8(x.data_ptr(), m, k, q.data_ptr(), scale.data_ptr(), n, y.data_ptr(), n)
+    if rc != 0:
+        raise RuntimeError(f"tg_gemv_int8 refused shape M={m}")
+    return y
+
+
+def gemv_int4(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, group: int
+) -> torch.Tensor:
+    """x [M <= 8, K] float32 contiguous; q uint8 [N, K / 2]; scale, lo float16 [N, K / group]."""
+    m, k = x.shape
+    n = q.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    rc = library().tg_gemv_int4(
+        x.data_ptr(), m, k, q.data_ptr(), scale.data_ptr(), lo.data_ptr(), group, n, y.data_ptr(), n
+    )
+    if rc != 0:
+        raise RuntimeError(f"tg_gemv_int4 refused shape M={m} K={k} group={group}")
+    return y
+
+
+def dequant_int8(q: torch.Tensor, scale: torch.Tensor, start: int, end: int, out: torch.Tensor) -> torch.Tensor:
+    """Rows [start, end) as float32 into out[: end - start] (contiguous [rows, K])."""
+    k = q.shape[1]
+    library().tg_dequant_int8(q.data_ptr(), scale.data_ptr(), k, start, end, out.data_ptr())
+    return out[: end - start]
+
+
+def dequant_int4(
+    q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, group: int, start: int, end: int, out: torch.Tensor
+) -> torch.Tensor:
+    k = q.shape[1] * 2
+    library().tg_dequant_int4(q.data_ptr(), scale.data_ptr(), lo.data_ptr(), k, group, start, end, out.data_ptr())
+    return out[: end - start]

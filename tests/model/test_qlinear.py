@@ -1,0 +1,90 @@
+"""Weight-only int8/int4 layers: every path (C kernel, blocked, torch fallback) computes
+x @ dequantized(W)^T; quantization error is what the format allows; loading quantizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tierguard.model import native, qlinear
+from tierguard.model.qlinear import Int4Linear, Int8Linear, pack_int4, quantize_int4, quantize_int8, unpack_int4
+
+
+def _dense(layer) -> torch.Tensor:
+    return layer.rows(torch.arange(layer.out_features))
+
+
+@pytest.fixture(params=["int8", "int4"])
+def layer_and_weight(request):
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(80, 96, generator=gen) * 0.05
+    bias = torch.randn(80, generator=gen)
+    if request.param == "int8":
+        return Int8Linear.from_float(w, bias), w
+    return Int4Linear.from_float(w, 32, bias), w
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])  # kernel sizes, and the blocked path past 8 rows
+def test_forward_equals_dequantized_matmul(layer_and_weight, rows):
+    layer, _w = layer_and_weight
+    x = torch.randn(rows, layer.in_features, generator=torch.Generator().manual_seed(rows))
+    ref = x @ _dense(layer).t() + layer.bias
+    out = layer(x)
+    assert out.shape == (rows, layer.out_features)
+    assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4), (out - ref).abs().max()
+    # 3-D input (batch, tokens, hidden) keeps its leading shape
+    assert torch.allclose(layer(x.view(1, rows, -1)).view(rows, -1), out, atol=1e-5)
+
+
+def test_fallback_paths_match(layer_and_weight, monkeypatch):
+    layer, _w = layer_and_weight
+    x = torch.randn(5, layer.in_features, generator=torch.Generator().manual_seed(9))
+    fast = layer(x)
+    monkeypatch.setattr(native, "available", lambda: False)
+    slow = layer(x)  # int8: torch's _weight_int8pack_mm (bfloat16); int4: blocked plain torch
+    tol = 0.05 if isinstance(layer, Int8Linear) else 1e-4
+    assert torch.allclose(fast, slow, atol=tol, rtol=tol), (fast - slow).abs().max()
+    monkeypatch.setattr(qlinear, "BLOCK_ROWS", 16)  # several blocks
+    assert torch.allclose(layer(torch.cat([x, x])), torch.cat([slow, slow]), atol=tol, rtol=tol)
+
+
+def test_quantization_error_is_bounded(layer_and_weight):
+    layer, w = layer_and_weight
+    err = (_dense(layer) - w).abs()
+    if isinstance(layer, Int8Linear):
+        bound = w.abs().amax(1, keepdim=True) / 127 / 2  # half a step per channel
+    else:
+        g = w.view(80, -1, 32)
+        step = (g.amax(-1) - g.amin(-1)) / 15
+        fp16 = (g.amin(-1).abs() + g.abs().amax(-1)) * 2**-10  # scale and lo are stored as float16
+        bound = (step / 2 + fp16).repeat_interleave(32, 1)
+    assert bool((err <= bound * 1.001 + 1e-7).all())
+    assert err.max() > 0  # it is quantized
+
+
+def test_int4_packing_is_gguf_q4_1_order():
+    q = torch.randint(0, 16, (4, 64), dtype=torch.uint8)
+    packed = pack_int4(q, 32)
+    assert packed.shape == (4, 32)
+    # group 0: byte j = element j (low nibble) | element j + 16 (high nibble)
+    assert int(packed[1, 3]) == int(q[1, 3]) | (int(q[1, 19]) << 4)
+    assert int(packed[2, 16 + 5]) == int(q[2, 32 + 5]) | (int(q[2, 32 + 21]) << 4)
+    assert torch.equal(unpack_int4(packed, 32), q)
+
+
+def test_quantizers_round_trip_exact_grids():
+    q8 = torch.randint(-127, 128, (6, 16)).float()
+    q8[:, 0] = 127  # the channel's max sets the scale: 0.5
+    q, scale = quantize_int8(q8 * 0.5)
+    assert torch.equal(q.float() * scale.unsqueeze(1), q8 * 0.5)  # values on the grid stay exact
+    grid = torch.randint(0, 16, (6, 32)).float()
+    grid[:, 0], grid[:, 1] = 0, 15  # span the full range so min/max recover the grid
+    q4, s4, lo4 = quantize_int4(grid * 0.25 - 1.0, 32)
+    assert torch.allclose(q4.float() * s4.repeat_interleave(32, 1) + lo4.repeat_interleave(32, 1), grid * 0.25 - 1.0)
+
+
+@pytest.mark.skipif(not native.available(), reason="no C compiler: the kernel is not built")
+def test_kernel_refuses_more_rows_than_it_takes():
+    layer = Int8Linear.from_float(torch.randn(16, 16))
+    with pytest.raises(RuntimeError, match="refused"):
+        native.gemv_int8(torch.randn(9, 16), layer.qweight, layer.scale)

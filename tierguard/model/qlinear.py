@@ -1,0 +1,196 @@
+"""Weight-only int8 / int4 linear layers (and the tied embedding that shares them).
+
+Why: a batch-1 decode step reads every weight once, so its time is the weight bytes over
+the memory bandwidth. int8 cuts the float32 bytes ~4x, int4 ~6x (scales included).
+
+    int8  per output channel: w[n, k] = q[n, k] * scale[n]             q int8 in -127..127
+    int4  per group of `group` inputs: w[n, k] = q * scale[n, g] + lo[n, g]    q in 0..15,
+          two per byte in GGUF Q4_1's order (in a group's group/2 bytes, byte j holds
+          element j low and element j + group/2 high), scale and lo float16, so Q4_1
+          blocks load unchanged (scale = d, lo = m) and Q4_0 ones too (scale = d, lo = -8 d)
+
+The matmul never dequantizes the whole weight for a decode step. On the CPU, up to
+`native.MAX_GEMV_ROWS` activation rows go to the C kernels (cpu_kernels.c: each weight
+byte read once, widened in registers, float32 activations and sums), which are bound by
+memory bandwidth; more rows (prefill, large batches) dequantize `BLOCK_ROWS` output rows
+at a time into a small float32 buffer that torch's GEMM multiplies while it is in cache.
+Without the kernels (no compiler; CUDA) the same blocks are dequantized in plain torch;
+int8 on the CPU then uses torch's `aten._weight_int8pack_mm` (bfloat16 activations).
+
+torch's `_weight_int4pack_mm_for_cpu` was measured and not used: on this AVX2 CPU it is
+compute-bound (bfloat16 only; its float32 path is a scalar loop), 2x slower per step
+than the kernel here, and its tiled layout hides rows from the embedding lookup.
+
+A tied embedding is one quantized matrix: the lm_head matmul uses it as a linear layer
+and the token lookup dequantizes only the rows it needs (`rows`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tierguard.model import native
+
+WEIGHT_DTYPES = ("auto", "int8", "int4")
+INT4_GROUPS = (32, 64, 128)
+BLOCK_ROWS = 512  # output rows dequantized at once for many activation rows
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: (q [N, K] int8, scale [N] float32)."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+    q = torch.round(w / scale.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric group-wise int4 (min/max per group, as GGUF Q4_1): q [N, K] uint8 in
+    0..15, scale and lo [N, K / group] float32, with w ~ q * scale + lo."""
+    n, k = w.shape
+    g = w.float().view(n, k // group, group)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    scale = ((hi - lo) / 15.0).clamp(min=1e-12)
+    q = torch.round((g - lo.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp_(0, 15).to(torch.uint8)
+    return q.view(n, k), scale, lo
+
+
+def pack_int4(q: torch.Tensor, group: int) -> torch.Tensor:
+    """[N, K] values 0..15 -> [N, K / 2] bytes in the Q4_1 order (see the module doc)."""
+    n, k = q.shape
+    g = q.to(torch.uint8).view(n, k // group, 2, group // 2)
+    return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor, group: int) -> torch.Tensor:
+    """Inverse of pack_int4: [N, K / 2] bytes -> [N, K] values."""
+    n, half_k = packed.shape
+    b = packed.view(n, half_k * 2 // group, group // 2)
+    return torch.stack([b & 15, b >> 4], dim=2).reshape(n, half_k * 2)
+
+
+class QuantLinear(nn.Module):
+    """Common part: shapes, optional float bias, the many-rows path, byte count."""
+
+    in_features: int
+    out_features: int
+    bias: nn.Parameter | None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if x2.device.type == "cpu" and native.available():
+            xf = x2.float().contiguous()
+            if xf.shape[0] <= native.MAX_GEMV_ROWS:
+                y = self._gemv(xf)
+            else:
+                y = self._blocked(xf, self._dequant_native)
+        else:
+            y = self._fallback(x2)
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _blocked(self, x: torch.Tensor, dequant) -> torch.Tensor:
+        """x @ W^T with W dequantized BLOCK_ROWS output rows at a time."""
+        n = self.out_features
+        out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+        buf = torch.empty(min(n, BLOCK_ROWS), self.in_features, dtype=x.dtype, device=x.device)
+        for s in range(0, n, BLOCK_ROWS):
+            e = min(n, s + BLOCK_ROWS)
+            torch.matmul(x, dequant(s, e, buf).t(), out=out[:, s:e])
+        return out
+
+    def _fallback(self, x: torch.Tensor) -> torch.Tensor:
+        return self._blocked(x, lambda s, e, buf: buf[: e - s].copy_(self.rows_range(s, e, x.dtype)))
+
+    def rows_range(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.rows(torch.arange(start, end, device=self.scale.device), dtype)
+
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.buffers())
+
+
+class Int8Linear(QuantLinear):
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.register_buffer("qweight", q.contiguous())
+        self.register_buffer("scale", scale.float().contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self._scale_bf16: torch.Tensor | None = None  # for torch's kernel, made when first needed
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
+        return cls(*quantize_int8(w), bias)
+
+    def _gemv(self, x: torch.Tensor) -> torch.Tensor:
+        return native.gemv_int8(x, self.qweight, self.scale)
+
+    def _dequant_native(self, s: int, e: int, buf: torch.Tensor) -> torch.Tensor:
+        return native.dequant_int8(self.qweight, self.scale, s, e, buf)
+
+    def _fallback(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu":
+            return super()._fallback(x)
+        if self._scale_bf16 is None:
+            self._scale_bf16 = self.scale.to(torch.bfloat16)
+        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self._scale_bf16)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Dequantized rows `ids` (the tied embedding's lookup)."""
+        q = self.qweight.index_select(0, ids).to(dtype)
+        return q * self.scale.index_select(0, ids).unsqueeze(1).to(dtype)
+
+
+class Int4Linear(QuantLinear):
+    def __init__(
+        self, packed: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, group: int, bias: torch.Tensor | None = None
+    ) -> None:
+        super().__init__()
+        if group not in INT4_GROUPS:
+            raise ValueError(f"int4 group size must be one of {INT4_GROUPS}, got {group}")
+        n, half_k = packed.shape
+        self.out_features, self.in_features = n, half_k * 2
+        self.group = group
+        self.register_buffer("qweight", packed.contiguous())
+        # float16, as GGUF stores them: 4 bytes per group instead of 8 (0.625 bytes per weight)
+        self.register_buffer("scale", scale.to(torch.float16).contiguous())
+        self.register_buffer("lo", lo.to(torch.float16).contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @staticmethod
+    def supports(shape: tuple[int, int], group: int) -> bool:
+        return shape[1] % group == 0
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, group: int, bias: torch.Tensor | None = None) -> Int4Linear:
+        q, scale, lo = quantize_int4(w, group)
+        return cls(pack_int4(q, group), scale, lo, group, bias)
+
+    def _gemv(self, x: torch.Tensor) -> torch.Tensor:
+        return native.gemv_int4(x, self.qweight, self.scale, self.lo, self.group)
+
+    def _dequant_native(self, s: int, e: int, buf: torch.Tensor) -> torch.Tensor:
+        return native.dequant_int4(self.qweight, self.scale, self.lo, self.group, s, e, buf)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        q = unpack_int4(self.qweight.index_select(0, ids), self.group).float()
+        q = q.view(len(ids), -1, self.group)
+        scale = self.scale.index_select(0, ids).float().unsqueeze(-1)
+        w = q * scale + self.lo.index_select(0, ids).float().unsqueeze(-1)
+        return w.view(len(ids), -1).to(dtype)
+
+
+class QuantEmbedding(nn.Module):
+    """Token lookup from a quantized [vocab, hidden] matrix, which the lm_head shares
+    (tied embeddings): one copy of the bytes."""
+
+    def __init__(self, linear: QuantLinear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.linear = linear
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.linear.rows(ids, self.dtype)
