@@ -57,3 +57,12 @@ def test_supports_only_float32_cpu_pools():
     assert native.supports(pool[:, 0], torch.float32, 8, 2)
     assert not native.supports(pool[:, 0].to(torch.bfloat16), torch.bfloat16, 8, 2)
     assert not native.supports(pool[:, 0], torch.bfloat16, 8, 2)
+
+
+def test_loading_the_kernel_keeps_subnormal_floats():
+    """Built with -ffast-math but not linked with it: loading must not switch the
+    process to flush-to-zero (crtfastmath.o would, breaking e.g. hypothesis and numpy)."""
+    native.library()
+    tiny = float.fromhex("0x1p-1070")  # subnormal double
+    assert tiny * 0.5 > 0.0
+    assert torch.tensor(1e-42, dtype=torch.float32).item() > 0  # subnormal float32 survives

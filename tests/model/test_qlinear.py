@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from tierguard.model import native, qlinear
-from tierguard.model.qlinear import Int4Linear, Int8Linear, pack_int4, quantize_int4, quantize_int8, unpack_int4
+from tierguard.model.qlinear import (
+    Int4Linear,
+    Int8Linear,
+    pack_int4,
+    quantize_int4,
+    quantize_int8,
+    unpack_int4,
+)
 
 
 def _dense(layer) -> torch.Tensor:

@@ -61,6 +61,24 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="keep up to this many GiB of decoder layer weights in host memory and stream them "
         "in every step (last resort; costs TPOT; separate from the KV budgets)",
     )
+    p.add_argument(
+        "--weight-dtype",
+        default="auto",
+        choices=["auto", "int8", "int4"],
+        help="weight-only quantization at load: int8 (per output channel) or int4 (groups of "
+        "--int4-group inputs); auto keeps --dtype weights",
+    )
+    p.add_argument("--int4-group", type=int, default=32, choices=[32, 64], help="inputs per int4 scale")
+    p.add_argument(
+        "--threads", type=int, default=None, help="CPU threads for the model (default: every core this process may use)"
+    )
+    p.add_argument(
+        "--target-itl-ms",
+        type=float,
+        default=None,
+        help="keep a step that carries decodes under this many ms: prefill chunks are cut to "
+        "fit (default: the engine's; 0 turns the limit off)",
+    )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in one step")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="most tokens in one step")
@@ -93,6 +111,10 @@ def _validate(args: argparse.Namespace) -> None:
         if value is not None and value <= 0:
             raise TierguardError(f"--{flag.replace('_', '-')} must be positive, got {value}")
     args.limits = _peer_limits(args)  # refused here, before the model loads
+    if args.threads is not None and args.threads < 1:
+        raise TierguardError(f"--threads must be >= 1, got {args.threads}")
+    if args.target_itl_ms is not None and args.target_itl_ms < 0:
+        raise TierguardError(f"--target-itl-ms must be >= 0, got {args.target_itl_ms}")
     if args.weights_offload_gib < 0:
         raise TierguardError(f"--weights-offload-gib must be >= 0, got {args.weights_offload_gib}")
     if args.model != "tiny" and not Path(args.model).is_dir():
@@ -118,7 +140,12 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         "enable_prefix_caching": not args.no_prefix_caching,
         "kv_dtype": args.kv_dtype,
         "weights_offload_gib": args.weights_offload_gib,
+        "weight_dtype": args.weight_dtype,
+        "int4_group": args.int4_group,
+        "num_threads": args.threads,
     }
+    if args.target_itl_ms is not None:
+        kwargs["target_itl_ms"] = args.target_itl_ms
     kwargs.update(tier_kwargs(args))  # validated before the model loads
     # Leave unset limits to the engine's defaults rather than guessing them here.
     if args.max_num_seqs is not None:
@@ -183,9 +210,12 @@ async def _serve(engine, args: argparse.Namespace, model_name: str) -> int:
         except OSError as exc:
             raise TierguardError(f"cannot bind {args.host}:{args.port}: {exc.strerror or exc}") from exc
         port = runner.addresses[0][1] if runner.addresses else args.port
+        stats = engine.stats()
+        weights = stats.extra.get("weight_bytes", 0.0) / 1e6
         print(
             f"{READY_PREFIX}http://{args.host}:{port} (model {model_name}, "
-            f"max_model_len {engine.max_model_len}, kv blocks {engine.stats().kv_blocks_total})",
+            f"max_model_len {engine.max_model_len}, kv blocks {stats.kv_blocks_total}, "
+            f"weights {weights:.1f} MB {args.weight_dtype if args.weight_dtype != 'auto' else args.dtype})",
             flush=True,
         )
         rule = state.token_bytes

@@ -49,7 +49,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return match
         limit = (len(seq) - 1) // self.block_size
-        hashes = prefix_block_hashes(seq.token_ids, self.block_size, self.fingerprint, limit=limit)
+        hashes = self._prefix_hashes(seq, limit)
         for i, h in enumerate(hashes):
             block_id = self.pool.lookup(h, self._tokens_of_block(seq, i))
             if block_id is None:
@@ -60,6 +60,17 @@ class BlockManager:
             match.hashes.append(h)
             match.num_revived += self.pool.is_cached_free(block_id)
         return match
+
+    def _prefix_hashes(self, seq: Sequence, limit: int) -> list[int]:
+        """The first `limit` full blocks' chained hashes, computed once per sequence: a
+        request waiting for room is looked up every step, and its tokens only grow."""
+        cache = seq.prefix_hashes
+        if len(cache) < limit:
+            parent = cache[-1] if cache else None
+            cache += prefix_block_hashes(
+                seq.token_ids, self.block_size, self.fingerprint, len(cache), parent, limit - len(cache)
+            )
+        return cache[:limit]
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int, num_cached_blocks: int = 0) -> int:
         have = max(len(seq.block_table), num_cached_blocks)

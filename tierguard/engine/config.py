@@ -27,10 +27,17 @@ class EngineConfig:
     ttft_budget_ms: dict[str, float] | None = None  # per request class; None: the contract's defaults
     naive_sync_disk: bool = False  # benchmark only: spill running sequences to disk, read back in-step
     kv_dtype: str = "auto"  # device KV pool: auto (model dtype), fp8 or int8 (+ per-token-head scales)
+    # A step that carries decodes stays under this (prefill chunks are cut; step_budget.py); 0: no limit.
+    target_itl_ms: float = 0.0
+    # Decode-only steps of up to this many sequences run on static buffers, captured as
+    # CUDA graphs on CUDA (decode_graphs.py); 0: off. Eager on the CPU (tests only).
+    decode_graph_max_batch: int = 0
 
     def __post_init__(self) -> None:
         if self.kv_dtype not in ("auto", "fp8", "int8"):
             raise TierguardError(f"--kv-dtype must be auto, fp8 or int8, got {self.kv_dtype!r}")
+        if not isinstance(self.target_itl_ms, int | float) or self.target_itl_ms < 0:
+            raise TierguardError(f"--target-itl-ms must be >= 0 (0: no limit), got {self.target_itl_ms!r}")
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:

@@ -31,6 +31,10 @@ DEFAULT_CPU_KV_CAP_GIB = 0.5
 # running stream, and a CPU computes ~5k prefill tokens/s on the tiny model, so chunks
 # stay small there.
 DEFAULT_BATCHED_TOKENS = {"cpu": 512, "cuda": 2048}
+# Steps that carry decodes stay under this (step_budget.py): on CPU a whole prefill chunk
+# beside decodes is the gap every stream sees. 100 ms is the sweep's default ITL SLO.
+# CUDA keeps whole chunks (its steps are short; not measured here).
+DEFAULT_TARGET_ITL_MS = {"cpu": 100.0, "cuda": 0.0}
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -59,14 +63,24 @@ def kv_budget_bytes(
     return budget
 
 
-def _set_cpu_threads(device: str, num_threads: int | None) -> None:
-    """Tiny matmuls gain little from many threads and lose a lot when the cores are
-    shared with the HTTP server and tokenizer: by default use half the cores on CPU."""
+def default_threads() -> int:
+    """The cores this process may run on (its affinity mask: a container's or taskset's
+    limit, not the machine's core count)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def set_threads(num_threads: int | None) -> int:
+    """torch's intra-op threads (the matmuls and the C kernels share them): `--threads`,
+    else TIERGUARD_NUM_THREADS, else every core in the affinity mask. Returns the count."""
     env = os.environ.get("TIERGUARD_NUM_THREADS")
-    if num_threads or env:
-        torch.set_num_threads(int(num_threads or env or 1))
-    elif device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
-        torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 2) // 2)))
+    n = num_threads or (int(env) if env else default_threads())
+    if n < 1:
+        raise TierguardError(f"--threads must be >= 1, got {n}")
+    torch.set_num_threads(n)
+    return n
 
 
 def weights_id(model_dir: Path) -> str:
@@ -102,6 +116,8 @@ def build_engine(
     weights_offload_gib: float | None = None,
     weight_dtype: str = "auto",
     int4_group: int = 32,
+    target_itl_ms: float | None = None,
+    cuda_graphs: bool = True,
 ) -> LLMEngine:
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)  # fail fast on a bad directory, before loading weights
@@ -118,7 +134,7 @@ def build_engine(
         )
     if block_size <= 0 or block_size & (block_size - 1):
         raise TierguardError(f"block size must be a positive power of two, got {block_size}")
-    _set_cpu_threads(device, num_threads)
+    set_threads(num_threads)
     tokenizer = HFTokenizer(model_dir)
     if kv_dtype not in KV_DTYPES:
         raise TierguardError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
@@ -153,6 +169,8 @@ def build_engine(
         ttft_budget_ms=ttft_budget_ms,
         naive_sync_disk=naive_sync_disk,
         kv_dtype=kv_dtype,
+        target_itl_ms=DEFAULT_TARGET_ITL_MS.get(dev.type, 0.0) if target_itl_ms is None else target_itl_ms,
+        decode_graph_max_batch=min(32, max_num_seqs) if cuda_graphs and dev.type == "cuda" else 0,
     )
     return LLMEngine(
         model,

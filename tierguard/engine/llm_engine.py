@@ -61,7 +61,15 @@ class LLMEngine:
         self.model_name = model_name
         config.validate_tiers()
         self.runner = ModelRunner(
-            model, model_config, config.num_blocks, config.block_size, dtype, device, kv_dtype=config.kv_dtype
+            model,
+            model_config,
+            config.num_blocks,
+            config.block_size,
+            dtype,
+            device,
+            kv_dtype=config.kv_dtype,
+            decode_graph_max_batch=config.decode_graph_max_batch,
+            max_blocks_per_seq=config.max_blocks_per_seq,
         )
         # One fingerprint (model, config, weights id, KV layout incl. dtype, quantization and
         # block size) salts the prefix hashes and names the tiers' blocks.
@@ -210,6 +218,8 @@ class LLMEngine:
             num_decode_seqs=len(sched.scheduled) - len(prefills),
             num_preempted=len(sched.preempted),
         )
+        if sched.scheduled:  # the step budget learns decode and prefill costs from real steps
+            self.scheduler.step_budget.observe(stats.num_decode_seqs, stats.num_prefill_tokens, stats.duration_s)
         # An idle poll while only tier transfers are in flight is not a step worth a sample.
         idle_poll = self.config.tiers_enabled and not sched.scheduled and not sched.preempted
         for fn in [] if idle_poll else self._listeners:

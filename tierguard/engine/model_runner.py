@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from tierguard.common.errors import TierguardError
+from tierguard.engine.decode_graphs import DecodeGraphs
 from tierguard.engine.scheduler import ScheduledSeq
 from tierguard.kv.spec import DevicePool, KVLayout, dtype_name
 from tierguard.model import native
@@ -22,6 +23,7 @@ from tierguard.model.llama import LlamaModel
 from tierguard.model.quantize import weight_bytes
 
 KV_DTYPES = ("auto", "fp8", "int8")  # auto = the model dtype, no scales
+WEIGHT_BITS = {"int8": 8, "int4": 4}  # nominal; the gauge weight_bytes has the exact size
 
 
 def kv_layout(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_dtype: str = "auto") -> KVLayout:
@@ -52,6 +54,8 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         kv_dtype: str = "auto",
+        decode_graph_max_batch: int = 0,
+        max_blocks_per_seq: int = 128,
     ) -> None:
         self.model = model
         self.cfg = cfg
@@ -62,11 +66,16 @@ class ModelRunner:
         self.kv_layout = kv_layout(cfg, block_size, dtype, kv_dtype)
         # Zeroed data and unit scales, not empty: padded decode gathers read real slots
         # that the mask hides, and garbage NaNs there would still poison softmax @ V.
-        self.device_pool = DevicePool.allocate(self.kv_layout, num_blocks, device)
+        # Decode graphs (decode_graphs.py) pad with a scratch block no sequence owns: one
+        # block past those the engine's pool hands out. Not with streamed weights (their
+        # host copies happen in hooks a graph would not replay).
+        graphs = decode_graph_max_batch > 0 and model.weight_offloader is None
+        self.device_pool = DevicePool.allocate(self.kv_layout, num_blocks + int(graphs), device)
         self.kv_cache = self.device_pool.tensors[0]
         self.kv_scale: torch.Tensor | None = (
             self.device_pool.tensors[1] if len(self.device_pool.tensors) > 1 else None
         )
+        self._weight_bytes = weight_bytes(model)
         # Decodes on the CPU kernel when it covers this pool (float32, built); else gather + SDPA.
         self.native_decode = self.kv_scale is None and native.supports(
             self.kv_cache[:, 0], dtype, cfg.num_heads, cfg.num_kv_heads
@@ -77,6 +86,17 @@ class ModelRunner:
         self._tables_dirty = True
         self._rows: dict[str, list] = {}  # seq id -> [row, the table list, entries written]
         self._free_rows: list[int] = list(range(15, -1, -1))
+        self.decode_graphs: DecodeGraphs | None = None
+        if graphs:
+            self.decode_graphs = DecodeGraphs(
+                self._logits_of_all,
+                block_size,
+                max_blocks_per_seq,
+                scratch_block=num_blocks,
+                device=device,
+                max_batch=decode_graph_max_batch,
+                capture=device.type == "cuda",
+            )
 
     @property
     def weight_dtype(self) -> str:
@@ -206,9 +226,33 @@ class ModelRunner:
         pos_t = torch.tensor(pos, dtype=torch.long).to(self.device, non_blocking=True)
         return input_ids, pos_t, meta, sample_rows
 
+    def _logits_of_all(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.model(ids, positions, self.kv_cache, meta, self.kv_scale)
+        return self.model.compute_logits(hidden).float()
+
+    def _run_graph(self, batch: list[ScheduledSeq]) -> torch.Tensor | None:
+        """A decode-only step through the decode graphs (None: not such a step, or no bucket)."""
+        graphs = self.decode_graphs
+        if graphs is None or self.native_decode or any(s.num_tokens != 1 for s in batch):
+            return None
+        rows = torch.tensor([self._row(s.seq) for s in batch], device=self.device)
+        tables = self._device_tables().index_select(0, rows)
+        ctx = [s.seq.num_computed_tokens + 1 for s in batch]
+        ids = [s.seq.token_ids[c - 1] for s, c in zip(batch, ctx, strict=True)]
+        logits = graphs.run(ids, ctx, tables)
+        if logits is None:
+            return None
+        keep = [i for i, s in enumerate(batch) if s.samples]
+        if len(keep) == len(batch):
+            return logits.clone()  # the graph's buffer is overwritten by the next replay
+        return logits.index_select(0, torch.tensor(keep, device=self.device))
+
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         """Runs one step; returns float32 logits [num sampled rows, vocab] in sample order."""
+        logits = self._run_graph(batch)
+        if logits is not None:
+            return logits
         input_ids, positions, meta, sample_rows = self.prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_cache, meta, self.kv_scale)
         if not sample_rows:
@@ -217,12 +261,15 @@ class ModelRunner:
         return self.model.compute_logits(hidden.index_select(0, rows)).float()
 
     def extra_stats(self) -> dict[str, float]:
-        """Gauges for EngineStats.extra: KV bytes per token (scales included) and, when
-        weights are offloaded, the offload's size and its per-step copy cost."""
+        """Gauges for EngineStats.extra: KV bytes per token (scales included), the weights'
+        bytes (scales included, measured at load) and nominal bits, and, when weights are
+        offloaded, the offload's size and its per-step copy cost."""
         layout = self.kv_layout
         out = {
             "kv_bytes_per_token": float(layout.bytes_per_token()),
             "kv_quantized": float(layout.quantization != "none"),
+            "weight_bytes": float(self._weight_bytes),
+            "weight_bits": float(WEIGHT_BITS.get(self.weight_dtype, self.dtype.itemsize * 8)),
         }
         offloader = self.model.weight_offloader
         if offloader is not None:

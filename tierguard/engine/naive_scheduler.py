@@ -62,7 +62,9 @@ class NaivePagingScheduler(Scheduler):
             if pager.is_paged_out(seq):
                 if seq.seq_id in paged_now or not self._page_in(seq, scheduled_ids, paged_now, out):
                     continue
-            n = min(seq.num_pending_tokens, budget)
+            n = self._chunk(seq, budget)
+            if n == 0:
+                continue
             while not self.bm.ensure_slots(seq, n):
                 victim = self._newest_unscheduled(scheduled_ids, exclude=seq) or seq
                 if pager.page_out(victim):

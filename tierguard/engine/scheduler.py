@@ -5,6 +5,9 @@ A step's token budget (max_num_batched_tokens) is spent in this order:
   2. running sequences in the middle of a chunked prefill;
   3. waiting sequences, admitted while there is budget, a sequence slot (max_num_seqs)
      and KV blocks for their first chunk, in the order the admission policy gives.
+Prefill tokens (2 and 3) in a step that carries decodes are further capped by the step
+budget (step_budget.py, `--target-itl-ms`), so one prefill cannot stretch every
+stream's inter-token gap.
 When a running sequence cannot get a block, the newest other running sequence is
 preempted by recompute (its blocks are freed, it goes back to the front of the queue;
 its full blocks stay in the prefix cache, so the recompute is often cheap).
@@ -28,6 +31,7 @@ from tierguard.engine.admission import AdmissionPolicy, FifoAdmission
 from tierguard.engine.block_manager import BlockManager, PrefixMatch
 from tierguard.engine.config import EngineConfig
 from tierguard.engine.sequence import Sequence, SequenceStatus
+from tierguard.engine.step_budget import StepBudget
 from tierguard.kv.connector import KVConnector, NoConnector
 
 
@@ -56,6 +60,7 @@ class Scheduler:
         block_manager: BlockManager,
         connector: KVConnector | None = None,
         admission: AdmissionPolicy | None = None,
+        step_budget: StepBudget | None = None,
     ) -> None:
         self.config = config
         self.bm = block_manager
@@ -64,6 +69,8 @@ class Scheduler:
         self.waiting: OrderedDict[str, Sequence] = OrderedDict()  # front = next to admit
         self.running: list[Sequence] = []  # admission order, oldest first
         self.num_preemptions = 0
+        self.step_budget = step_budget or StepBudget(config.target_itl_ms, min_tokens=config.block_size)
+        self._prefill_cap = config.max_num_batched_tokens  # prefill tokens left in this step
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -98,8 +105,11 @@ class Scheduler:
         if victim is not None:  # swapped to host; restored when room returns
             self._preempt(victim)
             out.preempted.append(victim)
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        self._admit(out, budget)
+        limit = self.config.max_num_batched_tokens
+        num_decodes = sum(1 for s in self.running if s.num_pending_tokens == 1)
+        self._prefill_cap = self.step_budget.prefill_tokens(num_decodes, limit)
+        budget = self._schedule_running(out, limit)
+        self._admit(out, min(budget, self._prefill_cap))
         # Keep decodes (single-token chunks) at the front: the runner batches them together.
         out.scheduled.sort(key=lambda s: s.num_tokens > 1)
         return out
@@ -112,7 +122,9 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(seq.num_pending_tokens, budget)
+            n = self._chunk(seq, budget)
+            if n == 0:
+                continue  # a prefill past this step's cap
             while not self.bm.ensure_slots(seq, n):
                 victim = self._newest_unscheduled(scheduled_ids, exclude=seq) or seq
                 self._preempt(victim)
@@ -125,6 +137,15 @@ class Scheduler:
             scheduled_ids.add(seq.seq_id)
             budget -= n
         return budget
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens `seq` computes this step: all pending ones within the budget; a prefill
+        also within what is left of the step's prefill cap (taken from it)."""
+        n = min(seq.num_pending_tokens, budget)
+        if n > 1:
+            n = min(n, self._prefill_cap)
+            self._prefill_cap -= n
+        return n
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         # Admitting while preempting would only thrash.
@@ -146,6 +167,7 @@ class Scheduler:
             if not self.bm.can_admit(seq, match, n, reserve=reserve):
                 break
             del self.waiting[seq.seq_id]
+            self._prefill_cap -= n if n > 1 else 0
             self.bm.admit(seq, match)
             if seq.num_preemptions == 0 and not seq.num_output_tokens:
                 seq.num_cached_tokens = seq.num_computed_tokens

@@ -55,6 +55,9 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []
+        # Chained hashes of full blocks of token_ids (block_manager's lookup cache; tokens
+        # only grow, so they stay valid), whether or not the blocks are computed.
+        self.prefix_hashes: list[int] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.num_preemptions = 0

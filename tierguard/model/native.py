@@ -30,8 +30,11 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # -ffast-math lets the compiler vectorize expf (glibc's libmvec) and the dot products'
-# reductions; the kernel uses no infinities or NaNs (scores start at -FLT_MAX).
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c99"]
+# reductions; the kernel uses no infinities or NaNs (scores start at -FLT_MAX). It is a
+# compile flag only: linked with it, GCC < 13 adds crtfastmath.o, whose constructor turns
+# on flush-to-zero for the whole process (Python floats included) when the library loads.
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c99"]
+LINK_FLAGS = ["-shared", "-fopenmp"]
 ABI_VERSION = 2
 
 
@@ -91,7 +94,7 @@ def build(cc: str) -> Path:
     """Compile (or reuse) the shared object; raises RuntimeError with the compiler's words."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _machine()]).encode()
+        "\0".join([SOURCE.read_text(), " ".join(FLAGS + LINK_FLAGS), version, _machine()]).encode()
     ).hexdigest()[:16]
     target = _cache_dir() / f"tg_cpu_{key}.so"
     if target.is_file():
@@ -99,16 +102,17 @@ def build(cc: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
     os.close(fd)
+    obj = tmp[: -len(".so")] + ".o"
     try:
-        proc = subprocess.run(
-            [cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=300
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-400:]}")
+        for cmd in ([cc, *FLAGS, "-c", str(SOURCE), "-o", obj], [cc, *LINK_FLAGS, obj, "-o", tmp, "-lm"]):
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-400:]}")
         os.replace(tmp, target)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for path in (tmp, obj):
+            if os.path.exists(path):
+                os.unlink(path)
     return target
 
 

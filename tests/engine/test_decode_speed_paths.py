@@ -1,0 +1,131 @@
+"""The speed paths compute what the plain path computes: the C decode kernel and the
+static-buffer (CUDA graph) decode against the torch gather path; weight-only int8/int4
+engines; the step budget that keeps prefill chunks from stretching decode steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.engine.conftest import make_engine, prompt_ids
+from tests.engine.test_hf_parity import run_and_record
+from tierguard.engine.api import SamplingParams
+from tierguard.engine.factory import build_engine
+from tierguard.engine.step_budget import UNMEASURED_CHUNK, StepBudget
+from tierguard.model import native
+
+PROMPTS = [prompt_ids(40 + i, 5 + 6 * i) for i in range(3)] + [prompt_ids(50, 13)]
+
+
+def _logits(engine, prompts=PROMPTS, max_tokens=12):
+    outputs, logits = run_and_record(engine, prompts, max_tokens=max_tokens)
+    return outputs, {rid: torch.stack(rows) for rid, rows in logits.items()}
+
+
+def _assert_same(a, b, tol=1e-5):
+    (out_a, lg_a), (out_b, lg_b) = a, b
+    assert out_a == out_b
+    for rid in lg_a:
+        assert torch.allclose(lg_a[rid], lg_b[rid], atol=tol, rtol=tol), (
+            rid,
+            (lg_a[rid] - lg_b[rid]).abs().max(),
+        )
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir):
+    """Decodes through gather + SDPA (the torch path)."""
+    engine = make_engine(tiny_dir, max_num_batched_tokens=16)
+    engine.runner.native_decode = False
+    return _logits(engine)
+
+
+@pytest.mark.skipif(not native.available(), reason="no C compiler: the kernel is not built")
+def test_native_decode_matches_torch_path(tiny_dir, reference):
+    engine = make_engine(tiny_dir, max_num_batched_tokens=16)
+    assert engine.runner.native_decode
+    _assert_same(_logits(engine), reference)
+
+
+def test_static_decode_buffers_match_and_pad_into_scratch(tiny_dir, reference):
+    engine = make_engine(tiny_dir, max_num_batched_tokens=16, decode_graph_max_batch=8)
+    runner = engine.runner
+    runner.native_decode = False  # the graph path is the torch path on static buffers
+    graphs = runner.decode_graphs
+    assert graphs is not None and not graphs.capture  # eager on the CPU
+    assert runner.kv_cache.shape[0] == engine.config.num_blocks + 1  # the scratch block
+    _assert_same(_logits(engine), reference)
+    # 4, 3, 2, 1 running sequences were padded up to buckets, and contexts crossed
+    # block-count buckets (block size 4, up to 28 tokens): several buffers were used
+    assert len(graphs._static) >= 3
+    assert {size for size, _nb in graphs._static} >= {4, 2, 1}
+    engine.check_integrity()
+
+
+def test_graph_buckets():
+    from tierguard.engine.decode_graphs import DecodeGraphs
+
+    g = DecodeGraphs(lambda *a: None, 16, 64, 0, torch.device("cpu"), max_batch=16, capture=False)
+    assert g.bucket(3, 5) == (4, 8)
+    assert g.bucket(16, 64) == (16, 64)
+    assert g.bucket(17, 1) is None  # over the largest batch: eager
+    assert g.bucket(1, 65) is None  # over max blocks
+
+
+# rms logit error bounds: int8 per channel ~40 dB, int4 groups ~20 dB per layer on random weights
+@pytest.mark.parametrize("weight_dtype,max_ratio,max_err", [("int8", 0.3, 0.05), ("int4", 0.3, 0.3)])
+def test_quantized_engine_generates_close_to_float(tiny_dir, weight_dtype, max_ratio, max_err):
+    base = build_engine(tiny_dir, kv_cache_gib=0.01, max_model_len=64, weight_dtype="auto")
+    q = build_engine(tiny_dir, kv_cache_gib=0.01, max_model_len=64, weight_dtype=weight_dtype)
+    assert q.runner.weight_dtype == weight_dtype
+    ratio = q.runner.weight_bytes / base.runner.weight_bytes
+    assert ratio < max_ratio  # the tiny model is a third embedding, kept int8 with int4
+    assert q.stats().extra["weight_bytes"] == q.runner.weight_bytes
+    prompt = prompt_ids(7, 20)
+    captured = {}
+    for name, engine in (("base", base), ("q", q)):
+        engine.logits_hook = lambda ids, lg, name=name: captured.setdefault(name, []).append(lg.clone())
+        engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
+    a, b = captured["base"][0], captured["q"][0]
+    # a random-weight model's logits move by the quantization noise, not more
+    rel = float((a - b).pow(2).mean().sqrt() / a.pow(2).mean().sqrt())
+    assert 0 < rel < max_err
+
+
+def test_step_budget_learns_and_caps():
+    budget = StepBudget(target_ms=100.0, min_tokens=16)
+    assert budget.prefill_tokens(0, 512) == 512  # nothing decodes: no cap
+    assert budget.prefill_tokens(2, 512) == UNMEASURED_CHUNK  # nothing measured yet
+    budget.observe(0, 256, 0.512)  # a prefill alone: 2 ms per token
+    budget.observe(2, 0, 0.040)  # two decodes: 40 ms
+    assert budget.ms_per_prefill_token == pytest.approx(2.0)
+    assert budget.prefill_tokens(2, 512) == 30  # (100 - 40) / 2
+    assert budget.prefill_tokens(4, 512) == 16  # estimated 80 ms for 4: 10 tokens -> the minimum
+    budget.observe(2, 30, 0.100)  # 60 ms for 30 tokens beside 40 ms of decodes
+    assert budget.ms_per_prefill_token == pytest.approx(2.0)
+    assert StepBudget(0.0).prefill_tokens(5, 512) == 512  # off
+
+
+def test_prefill_beside_decodes_is_chunked_to_the_target(tiny_dir):
+    engine = make_engine(tiny_dir, max_num_batched_tokens=128, target_itl_ms=50.0)
+    budget = engine.scheduler.step_budget
+    seen = []
+    engine.add_step_listener(lambda s: seen.append((s.num_decode_seqs, s.num_prefill_tokens)))
+    engine.add_request("a", prompt_ids(1, 8), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    engine.step()  # a's prefill, alone: uncapped, and measured
+    budget.ms_per_prefill_token = 5.0  # pretend the machine is slow: 10 tokens fit in 50 ms
+    budget.decode_ms = {1: 0.0}
+    engine.add_request(
+        "b", prompt_ids(2, 100), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    )
+    for decode_ms in (0.0, 0.0, 60.0):
+        budget.ms_per_prefill_token, budget.decode_ms = 5.0, {1: decode_ms}  # hold the estimate
+        engine.step()
+    # 50 ms / 5 ms per token = 10 tokens beside the decode; when the decode alone takes
+    # longer than the target, the minimum (the block size, 4) still goes in
+    assert [p for d, p in seen[1:]] == [10, 10, 4]
+    assert all(d == 1 for d, _p in seen[1:])
+    engine.scheduler.step_budget = StepBudget(0.0)
+    while engine.has_unfinished():
+        engine.step()
+    engine.check_integrity()
