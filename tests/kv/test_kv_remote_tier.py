@@ -218,3 +218,13 @@ def test_bad_settings_are_one_clear_error():
         RemoteTier("http://example", FP, BLOCK, STORED)
     with pytest.raises(TierguardError, match="positive"):
         RemoteTier("redis://127.0.0.1:1/0", FP, BLOCK, STORED, ttl_s=0)
+
+
+def test_an_error_reply_is_counted_but_does_not_mark_redis_down(tiers, redis_server):
+    r = redis.Redis.from_url(redis_server.url)
+    a = tiers()
+    r.set(a.index.journal_key, b"not a stream")  # XRANGE/XADD now answer WRONGTYPE
+    assert a.write_many(blocks(1)) == [True]  # the SETs of the pipeline still land
+    wait_until(lambda: a.stats().errors > 0)  # the refresh's XRANGE failed
+    assert a.healthy and a.writes_enabled and a.stats().breaker_opened == 0
+    assert a.read_many(outs(1)) == [True]

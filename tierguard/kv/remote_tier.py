@@ -30,6 +30,7 @@ What it promises (the cold contract's remote half, docs/cold-contract.md):
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -37,7 +38,9 @@ from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from tierguard.common.errors import TierguardError
@@ -49,6 +52,7 @@ from tierguard.kv.guard import ColdContractViolation, decode_in_progress
 from tierguard.kv.media import Buffer, ColdMedium, KeyedBlocks, MediumContext, register_medium
 from tierguard.kv.remote_index import RemoteIndex
 
+log = logging.getLogger("tierguard.kv.remote")
 MGET_CHUNK = 32  # keys per MGET; a pipeline carries all chunks of a job in one round trip
 _COUNTERS = (
     "misses expired corrupt undecodable errors unavailable writes write_bytes read_bytes write_errors "
@@ -177,10 +181,18 @@ class RemoteTier(ColdMedium):
             return "refused", None
         try:
             out = fn()
-        except RedisError as e:
+        except (RedisConnectionError, RedisTimeoutError) as e:
             self.breaker.failure(f"{type(e).__name__}: {e}")
             self._count(errors=1)
             return "failed", None
+        except RedisError as e:  # an error reply: Redis is there, this call failed
+            self.breaker.success()
+            self._count(errors=1)
+            log.warning("remote KV tier: %s: %s", type(e).__name__, e)
+            return "failed", None
+        except BaseException:
+            self.breaker.failure("unexpected error")  # never leave a probe outstanding
+            raise
         self.breaker.success()
         return "ok", out
 
@@ -318,7 +330,10 @@ class RemoteTier(ColdMedium):
 
     def _refresh_loop(self) -> None:
         while not self._stop.wait(self.refresh_s):
-            self._refresh()
+            try:
+                self._refresh()
+            except Exception:  # a bug must not end the refresh (the index would go stale)
+                log.exception("remote KV tier: journal refresh failed")
 
     def close(self) -> None:
         self._stop.set()
