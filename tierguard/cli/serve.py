@@ -93,9 +93,9 @@ def _validate(args: argparse.Namespace) -> None:
         if value is not None and value <= 0:
             raise TierguardError(f"--{flag.replace('_', '-')} must be positive, got {value}")
     args.limits = _peer_limits(args)  # refused here, before the model loads
-    tier_kwargs(args)  # tier flags too (a bad --kv-remote-url), before torch is imported
     if args.weights_offload_gib < 0:
         raise TierguardError(f"--weights-offload-gib must be >= 0, got {args.weights_offload_gib}")
+    tier_kwargs(args)  # tier flags and key files: refused here, before anything loads
     if args.model != "tiny" and not Path(args.model).is_dir():
         raise TierguardError(
             f"--model {args.model!r} is not a directory (use a local HF model dir or 'tiny')"

@@ -64,50 +64,15 @@ def add_tier_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def tier_kwargs(args: argparse.Namespace) -> dict:
-    """Engine keyword arguments for the tier flags; raises TierguardError on bad input."""
-    from tierguard.kv.contract import parse_ttft_budgets
-
-    host = getattr(args, "kv_host_gib", 0.0) or 0.0
-    disk_gib = getattr(args, "kv_disk_gib", 0.0) or 0.0
-    disk_dir = getattr(args, "kv_disk_dir", None)
-    naive = bool(getattr(args, "kv_naive_sync_disk", False))
-    if host < 0:
-        raise TierguardError(f"--kv-host-gib must be >= 0, got {host}")
-    if disk_gib < 0:
-        raise TierguardError(f"--kv-disk-gib must be >= 0, got {disk_gib}")
-    if disk_dir is not None and disk_gib <= 0:
-        raise TierguardError("--kv-disk-dir needs a positive --kv-disk-gib")
-    if disk_gib > 0 and disk_dir is None:
-        raise TierguardError("--kv-disk-gib needs --kv-disk-dir")
-    if disk_dir is not None and Path(disk_dir).exists() and not Path(disk_dir).is_dir():
-        raise TierguardError(f"--kv-disk-dir {disk_dir!r} exists and is not a directory")
-    if naive and disk_dir is None:
-        raise TierguardError("--kv-naive-sync-disk needs a disk tier (--kv-disk-dir and --kv-disk-gib)")
-    budgets = getattr(args, "ttft_budget_ms", None)
-    out = {
-        "kv_host_gib": host,
-        "kv_disk_dir": disk_dir,
-        "kv_disk_gib": disk_gib,
-        "ttft_budget_ms": parse_ttft_budgets(budgets) if budgets else None,
-        "naive_sync_disk": naive,
-    }
-    remote = remote_options(args)
-    if remote is not None:
-        if host <= 0:
-            raise TierguardError(
-                "--kv-remote-url needs --kv-host-gib > 0 (remote blocks move through host RAM)"
-            )
-        out["kv_media"] = {"remote": remote}  # looked up after the disk tier
-    return out
-
-
-def remote_options(args: argparse.Namespace) -> dict | None:
-    """Options of the "remote" medium (tierguard/kv/remote_tier.py), None without a URL."""
+def remote_kwargs(args: argparse.Namespace, host_gib: float) -> dict:
+    """`kv_media={"remote": options}` (tierguard/kv/remote_tier.py) for --kv-remote-url, else {}.
+    The engine looks media up in order: the disk tier first, then this one."""
     url = getattr(args, "kv_remote_url", None)
     if url is None:
-        return None
+        return {}
     check_redis_url(url, "--kv-remote-url")
+    if host_gib <= 0:
+        raise TierguardError("--kv-remote-url needs --kv-host-gib > 0 (remote blocks move through host RAM)")
     ttl, gib, timeout = args.kv_remote_ttl_s, args.kv_remote_gib, args.kv_remote_timeout_ms
     for flag, value in (
         ("--kv-remote-ttl-s", ttl),
@@ -116,7 +81,8 @@ def remote_options(args: argparse.Namespace) -> dict | None:
     ):
         if not value > 0:
             raise TierguardError(f"{flag} must be positive, got {value}")
-    return {"url": url, "ttl_s": ttl, "capacity_bytes": int(gib * (1 << 30)), "timeout_ms": timeout}
+    options = {"url": url, "ttl_s": ttl, "capacity_bytes": int(gib * (1 << 30)), "timeout_ms": timeout}
+    return {"kv_media": {"remote": options}}
 
 
 def check_redis_url(url: str, flag: str) -> None:
@@ -134,3 +100,35 @@ def check_redis_url(url: str, flag: str) -> None:
         raise TierguardError(f"{flag} {url!r} names no port")
     if db and not db.isdigit():
         raise TierguardError(f"{flag} {url!r}: the database must be a number, got {db!r}")
+
+
+def tier_kwargs(args: argparse.Namespace) -> dict:
+    """Engine keyword arguments for the tier flags; raises TierguardError on bad input."""
+    from tierguard.kv.contract import parse_ttft_budgets
+
+    host = getattr(args, "kv_host_gib", 0.0) or 0.0
+    disk_gib = getattr(args, "kv_disk_gib", 0.0) or 0.0
+    disk_dir = getattr(args, "kv_disk_dir", None)
+    naive = bool(getattr(args, "kv_naive_sync_disk", False))
+    if host < 0:
+        raise TierguardError(f"--kv-host-gib must be >= 0, got {host}")
+    remote = remote_kwargs(args, host)
+    if disk_gib < 0:
+        raise TierguardError(f"--kv-disk-gib must be >= 0, got {disk_gib}")
+    if disk_dir is not None and disk_gib <= 0:
+        raise TierguardError("--kv-disk-dir needs a positive --kv-disk-gib")
+    if disk_gib > 0 and disk_dir is None:
+        raise TierguardError("--kv-disk-gib needs --kv-disk-dir")
+    if disk_dir is not None and Path(disk_dir).exists() and not Path(disk_dir).is_dir():
+        raise TierguardError(f"--kv-disk-dir {disk_dir!r} exists and is not a directory")
+    if naive and disk_dir is None:
+        raise TierguardError("--kv-naive-sync-disk needs a disk tier (--kv-disk-dir and --kv-disk-gib)")
+    budgets = getattr(args, "ttft_budget_ms", None)
+    return {
+        "kv_host_gib": host,
+        "kv_disk_dir": disk_dir,
+        "kv_disk_gib": disk_gib,
+        "ttft_budget_ms": parse_ttft_budgets(budgets) if budgets else None,
+        "naive_sync_disk": naive,
+        **remote,
+    }
