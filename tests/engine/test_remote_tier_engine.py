@@ -5,6 +5,9 @@ recompute with the same greedy outputs, never an error."""
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 
 from tests.engine.conftest import make_engine
@@ -110,4 +113,38 @@ def test_redis_down_at_start_serves_and_reports(tiny_dir, reference):
         x = flat(engine)
         assert x["kv_remote_writes"] == 0 and x["kv_remote_healthy"] == 0
     finally:
+        engine.close()
+
+
+def test_a_hung_redis_meets_the_class_deadline(tiny_dir, reference, redis_server):
+    """Redis stopped (SIGSTOP) with reads slower than the staging deadline: interactive
+    recomputes at its deadline; batch keeps waiting, then recomputes when the read fails."""
+    writer = make_engine(tiny_dir, kv_host_gib=0.01, kv_media=remote(redis_server.url))
+    run(writer, PROMPTS[:2], SHORT)
+    writer.close()
+    media = {"remote": {"url": redis_server.url, "refresh_s": 60, "timeout_ms": 400}}
+    engine = make_engine(
+        tiny_dir, kv_host_gib=0.01, kv_media=media, ttft_budget_ms={"interactive": 100, "batch": 100}
+    )
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        for cls, prompt, want in (
+            ("interactive", PROMPTS[0], reference[0]),
+            ("batch", PROMPTS[1], reference[1]),
+        ):
+            engine.add_request(cls, prompt, SHORT, request_class=cls)
+            got: list[int] = []
+            while engine.has_unfinished():
+                for o in engine.step():
+                    got.extend(o.new_token_ids)
+            assert got == want, cls
+        x = flat(engine)
+        assert (
+            x["kv_staging_deadline_misses_interactive"] == 1 and x["kv_contract_interactive_recompute"] == 1
+        )
+        assert x["kv_tier_recomputes"] == 1  # the interactive load, abandoned at its deadline
+        assert x["kv_contract_batch_wait"] == 1 and x["kv_contract_batch_recompute"] == 1
+        assert x["kv_staging_failures_batch"] == 1 and x["kv_remote_hits"] == 0
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
         engine.close()

@@ -209,6 +209,9 @@ def test_a_hung_redis_costs_one_timeout_not_a_hang(tiers, redis_server):
             assert a.read_many(outs(1)) == [False]
         assert time.monotonic() - started < 1.0  # 3 timeouts open the breaker; then no wait
         assert a.stats().errors == 3 and not a.healthy
+        started = time.monotonic()
+        assert all(a.contains(1) for _ in range(1000))  # lookups never wait on Redis
+        assert time.monotonic() - started < 0.1
     finally:
         os.kill(redis_server.proc.pid, signal.SIGCONT)
 
