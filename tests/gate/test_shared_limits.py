@@ -105,7 +105,7 @@ def test_slots_of_a_gate_that_stopped_renewing_come_back_within_the_lease(redis_
         t0 = time.monotonic()
         ticket = await gate.acquire(RequestInfo(10))
         waited = time.monotonic() - t0
-        assert waited <= lease_ms / 1000 + 0.3  # the lease time plus one poll and some scheduling
+        assert waited <= lease_ms / 1000 + 0.5  # the lease time plus one poll and some scheduling
         assert gate.counters.lease_expiries == 2 and gate.counters.waits == 1
         gate.release(ticket)
         await dead.close()

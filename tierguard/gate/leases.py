@@ -10,10 +10,15 @@ Keys (prefix P, default `tierguard:gate`; one prefix per fleet):
     P:slots          ZSET lease -> expiry ms      every running request of every gate
     P:long           ZSET lease -> expiry ms      the long ones among them
     P:q:{0,1,2,3}    ZSET waiter -> arrival seq   interactive, long, batch, async-job queues (FIFO)
-    P:wexp           ZSET waiter -> expiry ms     waiters are leased too: a dead gate's waiters go
+    P:wexp           ZSET waiter -> expiry ms     waiters are leased too, shorter: a dead gate's go fast
     P:seq            counter                      arrival order across gates
     P:gates          ZSET gate id -> expiry ms    live gates (the fallback share, see below)
     channel P:freed                               published when a slot or a queue place frees
+
+Waiters hold a shorter lease than slots (`waiter_ms`, a fifth of the slot lease, at least
+200 ms), refreshed by their gate every third of it: a dead gate's queued requests are
+ahead of everyone else's in the FIFO, so they must leave sooner than its slots free,
+or the whole fleet would wait a lease time for requests nobody will run.
 
 Time is Redis's own clock (`TIME` inside the scripts), so gates on different hosts
 never compare their clocks. Every script is atomic: the check "is a slot free and am
@@ -59,6 +64,7 @@ end
 
 # KEYS: slots long q0 q1 q2 q3 wexp seq
 # ARGV: queue(0..3) is_long lease mode(new|queued) lease_ms max_concurrency max_long max_queue(0: unbounded)
+#       waiter_ms
 # returns {status, reaped leases, reaped waiters, place}: status 1 granted, 0 waiting, 2 queue full, -1 lost
 # its place; place = the waiter's arrival number when it waits (local queues are kept in that order)
 _ACQUIRE = _REAP + """
@@ -97,15 +103,16 @@ if free > ahead and (not is_long or long_free > long_ahead) then
   end
   return {1, #expired, #gone}
 end
+local waiter_ms = tonumber(ARGV[9])
 if mode == 'queued' then
-  redis.call('ZADD', KEYS[7], now + lease_ms, id)
+  redis.call('ZADD', KEYS[7], now + waiter_ms, id)
   return {0, #expired, #gone}
 end
 local max_queue = tonumber(ARGV[8])
 if max_queue > 0 and redis.call('ZCARD', myq) >= max_queue then return {2, #expired, #gone} end
 local place = redis.call('INCR', KEYS[8])
 redis.call('ZADD', myq, place, id)
-redis.call('ZADD', KEYS[7], now + lease_ms, id)
+redis.call('ZADD', KEYS[7], now + waiter_ms, id)
 return {0, #expired, #gone, place}
 """
 
@@ -119,8 +126,8 @@ return n
 """
 
 # KEYS: slots long q0 q1 q2 q3 wexp seq gates
-# ARGV: gate lease_ms n_leases lease_1 long_1 ... waiter_1 ...
-# returns {reaped leases, reaped waiters, leases re-added, live gates, lost waiter ids...}
+# ARGV: gate lease_ms n_leases lease_1 long_1 ...
+# returns {reaped leases, reaped waiters, leases re-added, live gates}
 _RENEW = _REAP + """
 local lease_ms = tonumber(ARGV[2])
 local n = tonumber(ARGV[3])
@@ -130,18 +137,24 @@ for i = 0, n - 1 do
   readded = readded + redis.call('ZADD', KEYS[1], now + lease_ms, id)
   if ARGV[5 + 2 * i] == '1' then redis.call('ZADD', KEYS[2], now + lease_ms, id) end
 end
-local out = {#expired, #gone, readded, 0}
-for i = 4 + 2 * n, #ARGV do
-  if redis.call('ZSCORE', KEYS[7], ARGV[i]) then
-    redis.call('ZADD', KEYS[7], now + lease_ms, ARGV[i])
-  else
-    table.insert(out, ARGV[i])
-  end
-end
 redis.call('ZADD', KEYS[9], now + lease_ms, ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[9], '-inf', now)
-out[4] = redis.call('ZCARD', KEYS[9])
-return out
+return {#expired, #gone, readded, redis.call('ZCARD', KEYS[9])}
+"""
+
+# KEYS: wexp ; ARGV: waiter_ms waiter_1 ... ; returns the waiters that had lost their place
+_TOUCH = """
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+local lost = {}
+for i = 2, #ARGV do
+  if redis.call('ZSCORE', KEYS[1], ARGV[i]) then
+    redis.call('ZADD', KEYS[1], now + tonumber(ARGV[1]), ARGV[i])
+  else
+    table.insert(lost, ARGV[i])
+  end
+end
+return lost
 """
 
 
@@ -165,7 +178,6 @@ class Renewed:
     reaped: int
     readded: int  # held leases that had expired (or were never written, e.g. admitted while Redis was down)
     live_gates: int
-    lost_waiters: list[str]
 
 
 class LeaseStore:
@@ -176,6 +188,7 @@ class LeaseStore:
         self.url = url
         self.prefix = prefix
         self.lease_ms = int(lease_ms)
+        self.waiter_ms = max(200, self.lease_ms // 5)
         self.timeout_s = timeout_s
         self.gate_id = os.urandom(6).hex()
         self._n = 0
@@ -193,6 +206,7 @@ class LeaseStore:
         self._acquire = self.client.register_script(_ACQUIRE)
         self._release = self.client.register_script(_RELEASE)
         self._renew = self.client.register_script(_RENEW)
+        self._touch = self.client.register_script(_TOUCH)
 
     def new_id(self) -> str:
         self._n += 1
@@ -211,22 +225,25 @@ class LeaseStore:
         no bound), or, when already queued, learn whether it is its turn now."""
         r = await self._call(self._acquire, self._keys[:8],
                              [queue, int(is_long), lease, "queued" if queued else "new", self.lease_ms,
-                              max_concurrency, max_long, max_queue])
+                              max_concurrency, max_long, max_queue, self.waiter_ms])
         return Acquired(int(r[0]), int(r[1]), int(r[3]) if len(r) > 3 else 0)
 
     async def release(self, lease: str) -> bool:
         """Free a slot or leave a queue (publishes a wake-up); False when it had already expired."""
         return bool(await self._call(self._release, self._keys[:7], [lease, self.channel]))
 
-    async def renew(self, leases: list[tuple[str, bool]], waiters: list[str]) -> Renewed:
-        """Extend every held lease and queue place by one lease time; heartbeat this gate."""
+    async def renew(self, leases: list[tuple[str, bool]]) -> Renewed:
+        """Extend every held lease by one lease time (writing back any that expired); heartbeat this gate."""
         args: list = [self.gate_id, self.lease_ms, len(leases)]
         for lease, is_long in leases:
             args += [lease, int(is_long)]
-        args += waiters
         r = await self._call(self._renew, self._keys, args)
-        lost = [x.decode() if isinstance(x, bytes) else str(x) for x in r[4:]]
-        return Renewed(int(r[0]), int(r[2]), int(r[3]), lost)
+        return Renewed(int(r[0]), int(r[2]), int(r[3]))
+
+    async def touch(self, waiters: list[str]) -> list[str]:
+        """Keep these queue places for one more waiter lease; returns those already lost."""
+        r = await self._call(self._touch, [self._keys[6]], [self.waiter_ms, *waiters])
+        return [x.decode() if isinstance(x, bytes) else str(x) for x in r]
 
     async def counts(self) -> dict[str, int]:
         """Slots held and waiters per queue, fleet-wide (for /health and tests)."""

@@ -90,7 +90,7 @@ class SharedAdmission:
                         "(max_concurrency %d, max_long %d) until it answers", self.store.url,
                         self.local.policy.max_concurrency, self.local.policy.max_long)
         self._tasks = [asyncio.create_task(self._renew_loop()), asyncio.create_task(self._listen()),
-                       asyncio.create_task(self._dispatch_loop())]
+                       asyncio.create_task(self._dispatch_loop()), asyncio.create_task(self._touch_loop())]
 
     async def close(self) -> None:
         for t in self._tasks:
@@ -269,9 +269,8 @@ class SharedAdmission:
                     w.future.set_exception(exc)
 
     async def _renew_once(self) -> None:
-        waiters = [lease for queue in self._waiters for lease in queue]
         try:
-            r = await self.store.renew(list(self._held.items()), waiters)
+            r = await self.store.renew(list(self._held.items()))
         except SharedDown as exc:
             self._down(exc)
             return
@@ -289,6 +288,18 @@ class SharedAdmission:
         while True:
             await asyncio.sleep(period if self.up else min(period, 0.5))
             await self._renew_once()
+
+    async def _touch_loop(self) -> None:
+        """Keep this gate's queue places (they expire sooner than slots: `leases.py`)."""
+        while True:
+            await asyncio.sleep(self.store.waiter_ms / 3000)
+            waiters = [lease for queue in self._waiters for lease in queue]
+            if not waiters or not self.up:
+                continue
+            try:
+                await self.store.touch(waiters)  # a lost place is retaken by the dispatcher (status -1)
+            except SharedDown as exc:
+                self._down(exc)
 
     async def _listen(self) -> None:
         """Wake the dispatcher when any gate frees a slot (pub/sub); reconnects after a failure."""

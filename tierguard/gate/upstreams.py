@@ -27,7 +27,7 @@ import logging
 import re
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -59,6 +59,7 @@ class Replica:
     ejections: int = 0
     last_error: str | None = None
     scrape: str = "pending"  # ok | no /metrics | failed: ...
+    wake: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # ejected: stop the healthy pause
 
     @property
     def url(self) -> str:
@@ -180,6 +181,7 @@ class Fleet:
         r.backoff_s = min(self.backoff_max_s, max(self.backoff_min_s, r.backoff_s * 2))
         r.ejected_until = now + r.backoff_s
         r.queued = 0
+        r.wake.set()
         self.router.forget(r.index)
 
     async def _watch(self, r: Replica) -> None:
@@ -195,7 +197,10 @@ class Fleet:
                     r.healthy = True
                     log.warning("upstream %s readmitted after a passing health probe", r.url)
                 await self._scrape(r)
-                await asyncio.sleep(self.health_interval_s)
+                r.wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.health_interval_s):
+                        await r.wake.wait()  # a request ejected it: on to the backoff probes now
             else:
                 r.last_error = why
                 self._eject(r, why)
