@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 QUEUES = ("interactive", "long", "batch", "async")  # queue order; index = position in the scripts
@@ -65,8 +66,9 @@ end
 # KEYS: slots long q0 q1 q2 q3 wexp seq
 # ARGV: queue(0..3) is_long lease mode(new|queued) lease_ms max_concurrency max_long max_queue(0: unbounded)
 #       waiter_ms
-# returns {status, reaped leases, reaped waiters, place}: status 1 granted, 0 waiting, 2 queue full, -1 lost
-# its place; place = the waiter's arrival number when it waits (local queues are kept in that order)
+# returns {status, reaped leases, reaped waiters, place, next}: status 1 granted, 0 waiting, 2 queue full,
+# -1 lost its place; place = the waiter's arrival number when it joins (local queues keep that order);
+# next = ms until the earliest slot lease expires (when waiting: the waiter asks again then)
 _ACQUIRE = _REAP + """
 local q = tonumber(ARGV[1])
 local is_long = ARGV[2] == '1'
@@ -104,16 +106,19 @@ if free > ahead and (not is_long or long_free > long_ahead) then
   return {1, #expired, #gone}
 end
 local waiter_ms = tonumber(ARGV[9])
+local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+local next = -1
+if #first == 2 then next = math.max(0, tonumber(first[2]) - now) end
 if mode == 'queued' then
   redis.call('ZADD', KEYS[7], now + waiter_ms, id)
-  return {0, #expired, #gone}
+  return {0, #expired, #gone, 0, next}
 end
 local max_queue = tonumber(ARGV[8])
 if max_queue > 0 and redis.call('ZCARD', myq) >= max_queue then return {2, #expired, #gone} end
 local place = redis.call('INCR', KEYS[8])
 redis.call('ZADD', myq, place, id)
 redis.call('ZADD', KEYS[7], now + waiter_ms, id)
-return {0, #expired, #gone, place}
+return {0, #expired, #gone, place, next}
 """
 
 # KEYS: slots long q0 q1 q2 q3 wexp ; ARGV: lease-or-waiter id ; channel name in ARGV[2]
@@ -159,7 +164,12 @@ return lost
 
 
 class SharedDown(Exception):
-    """Redis did not answer in time, refused, or failed: the shared state is unavailable."""
+    """Redis did not answer in time, refused, or failed. `refused`: nothing listens or the
+    connection broke (Redis is gone for sure), as opposed to a slow answer."""
+
+    def __init__(self, message: str, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 @dataclass
@@ -167,6 +177,7 @@ class Acquired:
     status: int  # 1 granted, 0 waiting, 2 queue full, -1 lost its place in the queue
     reaped: int  # expired leases this call removed (another gate stopped renewing them)
     place: int = 0  # arrival number in the fleet-wide queue, when it just joined one
+    next_expiry_ms: int = -1  # when waiting: ms until the earliest slot lease expires (-1: none held)
 
     @property
     def granted(self) -> bool:
@@ -216,7 +227,11 @@ class LeaseStore:
         try:
             async with asyncio.timeout(self.timeout_s * 2):
                 return await script(keys=keys, args=args)
-        except (RedisError, TimeoutError, OSError) as exc:
+        except (RedisConnectionError, OSError) as exc:
+            # the pool's own wait for a free connection is slowness, not a dead Redis
+            busy = isinstance(exc.__cause__, asyncio.TimeoutError)
+            raise SharedDown(f"{type(exc).__name__}: {exc}"[:200], refused=not busy) from None
+        except (RedisError, TimeoutError) as exc:
             raise SharedDown(f"{type(exc).__name__}: {exc}"[:200]) from None
 
     async def acquire(self, queue: int, is_long: bool, lease: str, *, queued: bool, max_concurrency: int,
@@ -226,7 +241,7 @@ class LeaseStore:
         r = await self._call(self._acquire, self._keys[:8],
                              [queue, int(is_long), lease, "queued" if queued else "new", self.lease_ms,
                               max_concurrency, max_long, max_queue, self.waiter_ms])
-        return Acquired(int(r[0]), int(r[1]), int(r[3]) if len(r) > 3 else 0)
+        return Acquired(int(r[0]), int(r[1]), int(r[3]) if len(r) > 3 else 0, int(r[4]) if len(r) > 4 else -1)
 
     async def release(self, lease: str) -> bool:
         """Free a slot or leave a queue (publishes a wake-up); False when it had already expired."""
@@ -256,6 +271,15 @@ class LeaseStore:
         except (RedisError, TimeoutError, OSError) as exc:
             raise SharedDown(type(exc).__name__) from None
         return {"slots": r[0], "long": r[1], **{f"queued_{q}": n for q, n in zip(QUEUES, r[2:], strict=True)}}
+
+    async def reset(self) -> None:
+        """Drop every pooled connection: after Redis died, each of them would fail once more
+        (a restarted Redis closed them) and look like a new outage."""
+        try:
+            async with asyncio.timeout(self.timeout_s * 2):
+                await self.client.connection_pool.disconnect()
+        except (RedisError, TimeoutError, OSError):
+            pass
 
     async def close(self) -> None:
         for c in (self.client, self.sub_client):

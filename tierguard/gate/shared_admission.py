@@ -6,15 +6,20 @@ the proxy and the job runner do not know which one they hold. `--max-concurrency
 (`leases.py`) and a waiter a place in a fleet-wide queue. The local controller still
 counts this gate's own requests (for /metrics) and is the fallback.
 
-Redis unreachable (refused, or slower than `--shared-timeout-ms`): the gate falls back
-to local limits, a SHARE of the fleet's: each limit divided by the number of gates last
-seen alive in Redis (at least `--shared-gates`), so N gates that all lose Redis still
-send the upstream at most about the fleet limit, and nothing fails or hangs because
-Redis went away. Waiters in the shared queue move to the local queue within what is left
-of their wait. Every fallback admission is counted (`tierguard_gate_shared_fallback_
-admissions_total`), the state is on /metrics and /health. The renewal loop probes Redis
-every lease/3; when it answers, the leases of everything still running (admitted
+Redis unreachable (a refused or broken connection at once; answers slower than
+`--shared-timeout-ms` three times in a row, so one slow answer on a busy host is not an
+outage): the gate falls back to local limits, a SHARE of the fleet's: each limit divided
+by the number of gates last seen alive in Redis (at least `--shared-gates`), so N gates
+that all lose Redis still send the upstream about the fleet limit, and nothing fails or
+hangs because Redis went away. Waiters in the shared queue move to the local queue within
+what is left of their wait. Every fallback admission is counted (`tierguard_gate_shared_
+fallback_admissions_total`), the state is on /metrics and /health. The renewal loop probes
+Redis every lease/3; when it answers, the leases of everything still running (admitted
 locally meanwhile included) are written back, and shared admission resumes.
+
+What the fallback cannot promise: at the moment Redis goes away one gate may hold more
+than its share (it took them fairly from the shared pool); the others do not know, so
+until those requests end the fleet may run up to that imbalance above the limit.
 
 Why fall back rather than fail closed: Redis would otherwise be a single point whose
 failure refuses every request of the fleet; a local share keeps the upstream's load
@@ -26,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, replace
@@ -38,6 +44,7 @@ from tierguard.gate.policy import AdmissionPolicy
 
 log = logging.getLogger("tierguard.gate")
 QUEUE_OF = {"interactive": 0, "long": 1, "batch": 2}
+SLOW_STRIKES = 3  # slow Redis answers in a row that count as Redis down (a refusal counts at once)
 ASYNC_QUEUE = 3
 
 
@@ -72,6 +79,8 @@ class SharedAdmission:
         self.store = store
         self.min_gates = min_gates
         self.up = False  # until the first renewal answers
+        self._strikes = 0  # failed Redis calls in a row
+        self._expiry_due = math.inf  # time.monotonic() when the oldest known slot lease expires
         self.counters = SharedCounters()
         self._waiters: list[OrderedDict[str, _Waiter]] = [OrderedDict() for _ in QUEUES]
         self._held: dict[str, bool] = {}  # lease -> is long; every slot this gate holds
@@ -126,20 +135,27 @@ class SharedAdmission:
             return await self._local(info, max_wait_s)
         p = self.policy
         queue = ASYNC_QUEUE if info.background else QUEUE_OF[klass]
-        lease = self.store.new_id()
         t0 = time.monotonic()
-        try:
-            r = await self.store.acquire(queue, klass == "long", lease, queued=False,
-                                         max_concurrency=p.max_concurrency, max_long=p.max_long,
-                                         max_queue=0 if info.background else p.max_queue)
-        except SharedDown as exc:
-            self._down(exc)
-            return await self._local(info, max_wait_s)
+        while True:
+            # A fresh id per try: a try that timed out may still have been applied; its lease or
+            # place then expires unused (the fleet runs below its limit for that while, never above).
+            lease = self.store.new_id()
+            try:
+                r = await self.store.acquire(queue, klass == "long", lease, queued=False,
+                                             max_concurrency=p.max_concurrency, max_long=p.max_long,
+                                             max_queue=0 if info.background else p.max_queue)
+                break
+            except SharedDown as exc:
+                if self._failed(exc):
+                    return await self._local(info, max_wait_s)
+        self._ok()
         self.counters.lease_expiries += r.reaped
         if r.granted:
             return self._adopt(klass, lease, 0.0, "free_slot")
         if r.status == 2:
             self.local.overflow(info, klass)  # raises: HandOff, Downgrade or Rejected, counted
+        if r.next_expiry_ms >= 0:
+            self._expiry_due = min(self._expiry_due, time.monotonic() + r.next_expiry_ms / 1000 + 0.002)
         return await self._wait(info, klass, queue, lease, t0, r.place, max_wait_s)
 
     def release(self, ticket: Ticket) -> None:
@@ -194,16 +210,18 @@ class SharedAdmission:
         (a slot freed anywhere) or every poll_s (a lease expired: nobody publishes that)."""
         while True:
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.poll_s):
+                async with asyncio.timeout(max(0.001, min(self.poll_s, self._expiry_due - time.monotonic()))):
                     await self._kick.wait()
             self._kick.clear()
+            self._expiry_due = math.inf
             if not self.up:
                 self._fail_waiters(SharedDown("shared state unreachable"))
                 continue
             try:
                 await self._dispatch()
+                self._ok()
             except SharedDown as exc:
-                self._down(exc)
+                self._failed(exc)  # still up after a slow answer: the next pass asks again
 
     async def _dispatch(self) -> None:
         p = self.policy
@@ -229,12 +247,23 @@ class SharedAdmission:
                         self._spawn(self._free(lease))
                     continue
                 if not r.granted:
+                    if r.next_expiry_ms >= 0:  # ask again the moment the oldest lease would expire
+                        self._expiry_due = min(self._expiry_due, time.monotonic() + r.next_expiry_ms / 1000 + 0.002)
                     break  # FIFO: the ones behind it are not first either
                 w.future.set_result(self._adopt(w.klass, lease, time.monotonic() - w.enqueued_at, "queued"))
 
     # ---- local share -------------------------------------------------------------------
     async def _local(self, info: RequestInfo, max_wait_s: float | None) -> Ticket:
+        t0 = time.monotonic()
         ticket = await self.local.acquire(info, max_wait_s)
+        if self.up:
+            # Redis came back while it waited here: a local slot is not a fleet slot (Redis would
+            # not know of it until the next renewal, and grant it to someone else meanwhile).
+            self.local.release(ticket)
+            left = None if max_wait_s is None else max(0.0, max_wait_s - (time.monotonic() - t0))
+            if left is None and not info.background:
+                left = max(0.0, self.policy.max_queue_wait_ms / 1000 - (time.monotonic() - t0))
+            return await self.acquire(info, left)
         self.counters.fallback_admissions += 1
         # A lease id for it too: the first renewal after Redis returns writes it there, so the
         # fleet sees what really runs.
@@ -253,8 +282,20 @@ class SharedAdmission:
         self.local.policy.max_long = max(1, min(self.local.policy.max_concurrency, self.policy.max_long // n))
 
     # ---- Redis state -------------------------------------------------------------------
-    def _down(self, exc: Exception) -> None:
+    def _failed(self, exc: SharedDown) -> bool:
+        """Count a failed call; True when Redis is now taken as down: refused (nothing listens),
+        or SLOW_STRIKES slow answers in a row (one slow answer on a busy host is not an outage)."""
         self.counters.errors += 1
+        self._strikes += 1
+        if exc.refused or self._strikes >= SLOW_STRIKES or not self.up:
+            self._down(exc)
+            return True
+        return False
+
+    def _ok(self) -> None:
+        self._strikes = 0
+
+    def _down(self, exc: Exception) -> None:
         if self.up:
             self.up = False
             log.warning("shared state %s unreachable (%s): admitting within the local share "
@@ -269,18 +310,35 @@ class SharedAdmission:
                     w.future.set_exception(exc)
 
     async def _renew_once(self) -> None:
-        try:
-            r = await self.store.renew(list(self._held.items()))
-        except SharedDown as exc:
-            self._down(exc)
-            return
-        self.counters.lease_expiries += r.reaped
-        self.counters.readded += r.readded
-        self._set_share(r.live_gates)
-        if not self.up:
+        """Renew every held lease. While Redis is down this is also the probe; shared admission
+        resumes only after a renewal that wrote back every slot running here: a local grant made
+        while the call was under way is in the next round, before anyone counts on Redis again."""
+        recovering = not self.up
+        if recovering:
+            await self.store.reset()  # nothing else uses Redis while it is down: start clean
+        written: set[str] = set()
+        for _ in range(4 if recovering else 1):
+            held = dict(self._held)
+            try:
+                r = await self.store.renew(list(held.items()))
+            except SharedDown as exc:
+                self._failed(exc)
+                return
+            self._ok()
+            written |= held.keys()
+            self.counters.lease_expiries += r.reaped
+            self.counters.readded += r.readded
+            self._set_share(r.live_gates)
+            if self._held.keys() <= written:
+                break
+        else:
+            return  # local grants kept coming during every round: try again next period
+        if recovering:
+            for lease in written - self._held.keys():  # ended while the call was under way
+                self._spawn(self._free(lease))
             self.up = True
-            log.warning("shared state %s answers: fleet-wide limits (%d live gates; %d running "
-                        "leases written back)", self.store.url, r.live_gates, r.readded)
+            log.warning("shared state %s answers: fleet-wide limits (%d live gates; the leases of %d running "
+                        "requests written back)", self.store.url, r.live_gates, len(written & self._held.keys()))
             self._kick.set()
 
     async def _renew_loop(self) -> None:
@@ -299,7 +357,7 @@ class SharedAdmission:
             try:
                 await self.store.touch(waiters)  # a lost place is retaken by the dispatcher (status -1)
             except SharedDown as exc:
-                self._down(exc)
+                self._failed(exc)
 
     async def _listen(self) -> None:
         """Wake the dispatcher when any gate frees a slot (pub/sub); reconnects after a failure."""
@@ -322,7 +380,7 @@ class SharedAdmission:
         try:
             await self.store.release(lease)
         except SharedDown as exc:
-            self._down(exc)  # the lease expires by itself
+            self._failed(exc)  # the lease expires by itself
         self._kick.set()
 
     def _spawn(self, coro) -> None:
