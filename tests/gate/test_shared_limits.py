@@ -106,7 +106,7 @@ def test_slots_of_a_gate_that_stopped_renewing_come_back_within_the_lease(redis_
         ticket = await gate.acquire(RequestInfo(10))
         waited = time.monotonic() - t0
         assert waited <= lease_ms / 1000 + 0.5  # the lease time plus one poll and some scheduling
-        assert gate.counters.lease_expiries == 2 and gate.counters.waits == 1
+        assert gate.counters.lease_expiries >= 1 and gate.counters.waits == 1  # the first to expire freed it
         gate.release(ticket)
         await dead.close()
         await gate.close()

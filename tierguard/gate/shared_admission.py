@@ -80,6 +80,7 @@ class SharedAdmission:
         self.min_gates = min_gates
         self.up = False  # until the first renewal answers
         self._strikes = 0  # failed Redis calls in a row
+        self._reached = False  # start() made its first call: later recoveries are logged
         self._expiry_due = math.inf  # time.monotonic() when the oldest known slot lease expires
         self.counters = SharedCounters()
         self._waiters: list[OrderedDict[str, _Waiter]] = [OrderedDict() for _ in QUEUES]
@@ -94,6 +95,7 @@ class SharedAdmission:
     async def start(self) -> None:
         """First contact (bounded by the store's timeout), then the renewal, wake-up and dispatch tasks."""
         await self._renew_once()
+        self._reached = True
         if not self.up:
             log.warning("shared state %s unreachable at start: admitting within the local share "
                         "(max_concurrency %d, max_long %d) until it answers", self.store.url,
@@ -337,6 +339,8 @@ class SharedAdmission:
             for lease in written - self._held.keys():  # ended while the call was under way
                 self._spawn(self._free(lease))
             self.up = True
+            if not self._reached:  # the first call, from start(): GateState.create says it
+                return
             log.warning("shared state %s answers: fleet-wide limits (%d live gates; the leases of %d running "
                         "requests written back)", self.store.url, r.live_gates, len(written & self._held.keys()))
             self._kick.set()
