@@ -147,9 +147,10 @@ async def _workload(gate_url: str, replicas: list[str], chats: list[list[dict]],
 
         async def chat(turns: list[list[dict]], pauses: list[float]) -> None:
             async with sem:
-                for messages, pause in zip(turns, pauses, strict=True):  # each turn after the previous answer
+                for turn, (messages, pause) in enumerate(zip(turns, pauses, strict=True)):
                     await asyncio.sleep(pause)  # the user reads and types: turns of chats interleave
-                    results.append(await _turn(s, gate_url + "/v1/chat/completions", messages, max_tokens))
+                    res = await _turn(s, gate_url + "/v1/chat/completions", messages, max_tokens)
+                    results.append({**res, "turn": turn})  # each turn after the previous answer
 
         rng = random.Random(len(chats))  # the same pauses for every variant
         pauses = [[rng.uniform(0, think_s) for _ in turns] for turns in chats]
@@ -178,6 +179,10 @@ async def _workload(gate_url: str, replicas: list[str], chats: list[list[dict]],
         "cached_tokens_reported": sum(r.get("cached_tokens", 0) for r in results),
         **{k: (round(v, 2) if v is not None else None)
            for k, v in describe([r["ttft"] * 1000 for r in ok], "ttft_ms").items()},
+        # turns after the first: the only ones routing can help (a first turn is cold everywhere)
+        **{k: (round(v, 2) if v is not None else None) for k, v in describe(
+            [r["ttft"] * 1000 for r in ok if r["turn"] > 0], "followup_ttft_ms").items()
+           if k.split("_")[0] in ("median", "p99", "mean")},
         "routed_by_reason": routed, "requests_per_replica": per_replica,
     }
 
@@ -232,6 +237,10 @@ def main() -> int:
     if pre["median_ttft_ms"] and rr["median_ttft_ms"]:
         out["ttft_p50_ratio_prefix_over_rr"] = round(pre["median_ttft_ms"] / rr["median_ttft_ms"], 3)
         out["ttft_p99_ratio_prefix_over_rr"] = round(pre["p99_ttft_ms"] / rr["p99_ttft_ms"], 3)
+        out["followup_ttft_p50_ratio_prefix_over_rr"] = round(pre["median_followup_ttft_ms"]
+                                                              / rr["median_followup_ttft_ms"], 3)
+        out["followup_ttft_p99_ratio_prefix_over_rr"] = round(pre["p99_followup_ttft_ms"]
+                                                              / rr["p99_followup_ttft_ms"], 3)
     hit_p, hit_r = pre["prefix_cache_hit_rate"], rr["prefix_cache_hit_rate"]
     out["goal_prefix_hit_rate_above_round_robin"] = v.goal(hit_p is not None and hit_r is not None and hit_p > hit_r)
     out.update(cpus=os.cpu_count(), loadavg_1m=round(os.getloadavg()[0], 2))
