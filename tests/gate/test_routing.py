@@ -170,3 +170,13 @@ def test_queue_depth_reads_vllm_tierguard_and_schedule_gauges():
             b"schedule_requests_waiting 4\nvllm:num_requests_waiting_total 99\n")
     assert queue_depth(text) == 10
     assert queue_depth(b"garbage") == 0
+
+
+def test_the_policy_modules_import_no_http():
+    import subprocess
+    import sys
+
+    code = ("import sys; import tierguard.gate.routing, tierguard.gate.prefix_index; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('aiohttp', 'redis', 'http')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

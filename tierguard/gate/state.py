@@ -93,7 +93,8 @@ class GateState:
                                      workers=s.tokenizer_workers, max_pending=s.tokenizer_queue)
             await counter.pool.warm()
         else:
-            remote = UpstreamTokenizer(session, s.upstream, headers, use_byte_bound=not s.exact_token_count)
+            remote = UpstreamTokenizer(session, s.upstream, headers, use_byte_bound=not s.exact_token_count,
+                                       pick=(lambda: fleet.any_replica().url) if len(upstreams) > 1 else None)
             counter = remote if await remote.probe() else TokenCounter()
         log.info("token counting: %s", counter.source)
         max_model_len = s.max_model_len or await _upstream_max_model_len(session, s.upstream, headers)
