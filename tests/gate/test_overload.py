@@ -92,14 +92,20 @@ def _overload(tmp_path, seconds: float) -> None:
         url = gate.url + "/v1/completions"
         seen = 0
 
-        def new_records() -> list[dict]:
+        def new_records(n: int) -> list[dict]:
+            """The next n log lines. A stream's line is written just after its last byte went
+            out, so the client may finish first: wait (bounded) for the gate to catch up."""
             nonlocal seen
-            lines = log.read_text().splitlines()
+            deadline = time.monotonic() + 10
+            while len(lines := log.read_text().splitlines()) < seen + n and time.monotonic() < deadline:
+                time.sleep(0.05)
             seen, fresh = len(lines), lines[seen:]
             return [json.loads(x) for x in fresh]
 
-        _check(run(_flood(url, rate, seconds / 2)), new_records())
-        stats = _check(run(_flood(url, rate, seconds)), new_records())
+        warm = run(_flood(url, rate, seconds / 2))
+        _check(warm, new_records(len(warm)))
+        measured = run(_flood(url, rate, seconds))
+        stats = _check(measured, new_records(len(measured)))
         print({**stats, "rate_rps": round(rate, 1)})
         upstream_health = run(_health(up.base_url))
         assert upstream_health["max_active"] <= CAPACITY  # the engine never queued behind the gate
