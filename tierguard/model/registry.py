@@ -68,6 +68,21 @@ def resolve_model(spec: str | Path) -> Path:
     )
 
 
+def imported_model_dir(spec: str | Path) -> Path | None:
+    """For callers that otherwise read plain directories (plan): the imported directory
+    of 'smollm2' or a GGUF file, None for anything else."""
+    if str(spec) == "smollm2" or (is_gguf(spec) and Path(spec).expanduser().is_file()):
+        return resolve_model(spec)
+    return None
+
+
+def resolve_tokenizer(spec: str) -> str:
+    """`bench --tokenizer`: a builtin name or a GGUF file resolves to its model directory."""
+    if spec in BUILTIN or is_gguf(spec):
+        return str(resolve_model(spec))
+    return spec
+
+
 def model_name(spec: str | Path, model_dir: Path) -> str:
     """The name clients see: the builtin's name, a GGUF's stem, else the directory's name."""
     text = str(spec)
