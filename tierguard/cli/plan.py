@@ -177,10 +177,9 @@ def inputs_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    from tierguard.plan import kvcheck_link
     from tierguard.plan.planner import make_plan
     from tierguard.plan.render import render, to_json
-
-    from tierguard.plan import kvcheck_link
 
     inputs = inputs_from_args(args)
     result = kvcheck_link.load_result(args.kvcheck) if getattr(args, "kvcheck", None) else None

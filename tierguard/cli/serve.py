@@ -120,7 +120,6 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     from tierguard.engine.async_engine import AsyncLLMEngine
-
     from tierguard.model.registry import model_name as default_name
     from tierguard.model.registry import resolve_model
 

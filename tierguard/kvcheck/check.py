@@ -8,8 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tierguard.common.errors import TierguardError
-from tierguard.kvcheck import runner as kr
-from tierguard.kvcheck.inputs import PromptBuilder, load_text
+from tierguard.kvcheck.inputs import ANSWER_TOKENS, BASELINE, PromptBuilder, load_text
 from tierguard.kvcheck.verdict import Thresholds, rows, verdicts
 
 KV_DTYPES = ("int8", "fp8")
@@ -54,6 +53,7 @@ def run_check(spec: CheckSpec, progress=None, checkpoint=None) -> dict:
 
     `checkpoint(doc)` is called after each context with the document so far (contexts
     done only), so a long run that is stopped still leaves its shorter contexts."""
+    from tierguard.kvcheck import runner as kr  # torch: only once the check runs
     from tierguard.model.config import ModelConfig
     from tierguard.model.registry import model_name, resolve_model
     from tierguard.model.tokenizer import HFTokenizer
@@ -63,24 +63,25 @@ def run_check(spec: CheckSpec, progress=None, checkpoint=None) -> dict:
     model_dir = resolve_model(spec.model)
     cfg = ModelConfig.from_dir(model_dir)
     longest = max(spec.contexts)
-    if longest + kr.ANSWER_TOKENS + 16 > cfg.max_exact_len:
-        raise TierguardError(
-            f"context {longest} (+ answer) exceeds the model's limit of {cfg.max_exact_len} tokens"
-        )
+    if longest > cfg.max_exact_len:
+        raise TierguardError(f"context {longest} exceeds the model's limit of {cfg.max_exact_len} tokens")
     tok = HFTokenizer(model_dir)
     builder = PromptBuilder(tok, source.text, longest)
     t0 = time.perf_counter()
     sessions: list[kr.DtypeSession] = []
     try:
-        for kv_dtype in [kr.BASELINE, *spec.kv_dtypes]:
+        for kv_dtype in [BASELINE, *spec.kv_dtypes]:
             s = kr.DtypeSession(
-                model_dir, kv_dtype, longest, device=spec.device, threads=spec.threads, chunk=spec.prefill_chunk()
-            )
+                model_dir, kv_dtype, min(cfg.max_exact_len, longest + 16), device=spec.device,
+                threads=spec.threads, chunk=spec.prefill_chunk(),
+            )  # fmt: skip
             sessions.append(s)
-            s.teacher(builder.teacher_ids(longest))
-            s.warm(builder.haystack_ids(longest))
+            # A context counts everything the engine holds: prompt + the one sampled token
+            # (teacher pass), or prompt + answer (trials).
+            s.teacher(builder.teacher_ids(longest - 1))
+            s.warm(builder.haystack_ids(longest - ANSWER_TOKENS))
         runs = {s.run.kv_dtype: s.run for s in sessions}
-        stats = kr.position_stats(runs, builder.teacher_ids(longest))
+        stats = kr.position_stats(runs, builder.teacher_ids(longest - 1))
         meta = {
             "model": model_name(spec.model, model_dir),
             "model_dir": str(model_dir),
@@ -90,7 +91,7 @@ def run_check(spec: CheckSpec, progress=None, checkpoint=None) -> dict:
         done: list[int] = []
         doc: dict = {}
         for ctx in spec.contexts:
-            trials = builder.trials(ctx, spec.trials, spec.seed)
+            trials = builder.trials(ctx, spec.trials, spec.seed, ANSWER_TOKENS)
             for s in sessions:
                 s.trials(trials, tok.decode, progress)
             done.append(ctx)
@@ -104,12 +105,13 @@ def run_check(spec: CheckSpec, progress=None, checkpoint=None) -> dict:
 
 
 def _document(spec: CheckSpec, meta: dict, runs: dict, stats, contexts: list[int], elapsed: float) -> dict:
+    """Everything measured so far, as JSON-ready values."""
     table = rows(runs, stats, contexts, spec.thresholds)
     verdict = verdicts(table)
     return {
         "format": FORMAT,
         **meta,
-        "baseline": f"{kr.BASELINE} (the model dtype, float32: unquantized)",
+        "baseline": f"{BASELINE} (the model dtype, float32: unquantized)",
         "kv_dtypes": spec.kv_dtypes,
         "contexts": contexts,
         "complete": contexts == spec.contexts,
@@ -136,7 +138,7 @@ def table_rows(doc: dict) -> tuple[list[str], list[list[str]]]:
     header = ["context", "KV", "passkey", "perplexity", "Δppl", "top-1 agree", "max |Δlogit|", "verdict"]
     out = []
     for r in doc["results"]:
-        base = r["kv_dtype"] == kr.BASELINE
+        base = r["kv_dtype"] == BASELINE
         out.append(
             [
                 str(r["context"]),
@@ -152,6 +154,28 @@ def table_rows(doc: dict) -> tuple[list[str], list[list[str]]]:
     return header, out
 
 
+def report_section(run_dir: Path):
+    """(Table, (caption, png bytes)) for a sweep report when RUN_DIR/kvcheck/kvcheck.json
+    exists (the demo's real-model section), else None."""
+    from tierguard.report.tables import Table
+
+    path = Path(run_dir) / "kvcheck" / "kvcheck.json"
+    if not path.is_file():
+        return None
+    doc = json.loads(path.read_text())
+    header, body = table_rows(doc)
+    verdict = ", ".join(f"{k} {'PASS' if v['passed'] else 'FAIL'}" for k, v in doc["verdicts"].items())
+    note = (
+        f"tierguard kvcheck on {doc['model']} ({doc['model_shape']}): {doc['trials_per_context']} passkey trials "
+        f"per context; perplexity of {doc['text']['name']} over {doc['perplexity_window']}; pass = accuracy drop "
+        f"<= {doc['thresholds']['max_accuracy_drop']} points and perplexity rise <= "
+        f"{doc['thresholds']['max_ppl_increase']}% vs the unquantized pool. Verdict: {verdict}."
+    )
+    png = plot(doc, path.with_suffix(".png")).read_bytes()
+    table = Table(f"KV quantization on a real model (R7): {doc['model']}", header, body, note)
+    return table, ("kvcheck: passkey accuracy and perplexity vs context, per KV dtype", png)
+
+
 def plot(doc: dict, path: Path) -> Path:
     """Passkey accuracy and perplexity vs context, one line per KV dtype."""
     import matplotlib
@@ -160,10 +184,10 @@ def plot(doc: dict, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.4))
-    names = [kr.BASELINE, *doc["kv_dtypes"]]
+    names = [BASELINE, *doc["kv_dtypes"]]
     for name in names:
         rs = [r for r in doc["results"] if r["kv_dtype"] == name]
-        label = "baseline" if name == kr.BASELINE else name
+        label = "baseline" if name == BASELINE else name
         x = [r["context"] for r in rs]
         a1.plot(x, [r["retrieval_accuracy"] for r in rs], marker="o", label=label)
         a2.plot(x, [r["perplexity"] for r in rs], marker="o", label=label)

@@ -26,6 +26,8 @@ from pathlib import Path
 from tierguard.common.errors import TierguardError
 from tierguard.common.units import parse_token_list
 
+BASELINE = "auto"  # the engine's unquantized pool (the model dtype)
+ANSWER_TOKENS = 10  # greedy tokens generated per passkey trial
 LICENSE_DIR = Path("/usr/share/common-licenses")
 LICENSE_ORDER = ("GPL-3", "Apache-2.0", "MPL-2.0", "GPL-2", "LGPL-2.1", "GFDL-1.3", "MPL-1.1", "Artistic")
 
@@ -106,7 +108,7 @@ class PromptBuilder:
         """head + filler: the prefix every trial shares up to its needle (prefilled once)."""
         return (self.head + self.filler)[:length]
 
-    def trials(self, context: int, n: int, seed: int) -> list[Trial]:
+    def trials(self, context: int, n: int, seed: int, answer_tokens: int = 10) -> list[Trial]:
         """`n` trials at `context` tokens: 5-digit keys from a seeded RNG, depths spread
         evenly over the haystack (stratified, jittered within each stratum)."""
         rng = random.Random(f"{seed}-{context}")
@@ -114,7 +116,8 @@ class PromptBuilder:
         for i in range(n):
             key = str(rng.randint(10000, 99999))
             needle = self.tok.encode(NEEDLE.format(key=key), add_special_tokens=False)
-            room = context - len(self.head) - len(needle) - len(self.tail)
+            # prompt + answer = context tokens
+            room = context - answer_tokens - len(self.head) - len(needle) - len(self.tail)
             if room < 16:
                 raise TierguardError(f"context {context} is too short for the passkey prompt")
             depth = (i + rng.random()) / n

@@ -26,10 +26,7 @@ import torch
 from tierguard.common.units import GIB
 from tierguard.engine.api import SamplingParams
 from tierguard.engine.factory import build_engine
-from tierguard.kvcheck.inputs import Trial, answer_correct
-
-BASELINE = "auto"
-ANSWER_TOKENS = 10
+from tierguard.kvcheck.inputs import ANSWER_TOKENS, BASELINE, Trial, answer_correct
 
 
 @dataclass
@@ -83,7 +80,7 @@ class DtypeSession:
         self,
         model_dir,
         kv_dtype: str,
-        max_context: int,
+        max_context: int,  # the engine's max_model_len
         *,
         device: str = "cpu",
         threads: int | None = None,
@@ -101,7 +98,7 @@ class DtypeSession:
             block_size=block_size,
             max_num_seqs=1,
             max_num_batched_tokens=chunk,
-            max_model_len=max_context + ANSWER_TOKENS + 16,
+            max_model_len=max_context,
             num_threads=threads,  # None: the engine's CPU default (half the cores)
             kv_dtype=kv_dtype,
         )

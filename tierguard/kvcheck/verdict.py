@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from tierguard.kvcheck.runner import BASELINE, DtypeRun, PositionStats
+from tierguard.kvcheck.inputs import BASELINE
+
+if TYPE_CHECKING:
+    from tierguard.kvcheck.runner import DtypeRun, PositionStats
 
 
 @dataclass
@@ -27,7 +31,7 @@ class Thresholds:
 
 def _window(context: int, n_positions: int) -> slice:
     # stat index p predicts token p + 1; tokens L/2 + 1 .. L - 1 of an L-token context.
-    return slice(context // 2, min(context - 1, n_positions))
+    return slice(context // 2, min(context - 1, n_positions))  # the teacher pass has context - 1 tokens
 
 
 def rows(runs: dict[str, DtypeRun], stats: PositionStats, contexts: list[int], th: Thresholds) -> list[dict]:
