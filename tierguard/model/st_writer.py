@@ -22,15 +22,23 @@ DTYPES = {"float32": ("F32", 4), "float16": ("F16", 2), "bfloat16": ("BF16", 2)}
 
 def to_dtype(array: np.ndarray, dtype: str) -> np.ndarray:
     """float32 -> the stored dtype, as raw little-endian values. bfloat16 rounds to
-    nearest-even like torch's cast (numpy has no bfloat16)."""
+    nearest-even like torch's cast (numpy has no bfloat16), in slices, so the integer
+    temporaries stay small next to a large embedding."""
     array = np.ascontiguousarray(array, dtype=np.float32)
     if dtype == "float32":
         return array
     if dtype == "float16":
         return array.astype(np.float16)
-    bits = array.view(np.uint32)
-    rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16).astype(np.uint16)
-    return np.where(np.isnan(array), np.uint16(0x7FC0), rounded)
+    flat = array.reshape(-1)
+    out = np.empty(flat.shape, dtype=np.uint16)
+    step = 1 << 20
+    for s in range(0, flat.size, step):
+        part = flat[s : s + step]
+        bits = part.view(np.uint32)
+        rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+        rounded[np.isnan(part)] = 0x7FC0
+        out[s : s + step] = rounded
+    return out.reshape(array.shape)
 
 
 class StreamingSafetensors:
