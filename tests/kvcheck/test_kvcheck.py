@@ -166,12 +166,16 @@ def test_exit_code_follows_the_verdict(monkeypatch, tmp_path):
         (["--chunk", "1000"], "--chunk must be"),
     ],
 )
-def test_bad_input_is_one_line_exit_2(small_dir, argv, words):
-    res = _cli("kvcheck", "--model", str(small_dir), "--contexts", "256", *argv)
-    assert res.returncode == 2, res.stderr
-    assert len(res.stderr.strip().splitlines()) == 1 and words in res.stderr, res.stderr
+def test_bad_input_is_one_line_exit_2(small_dir, argv, words, capsys):
+    from tierguard.cli.main import main
+
+    assert main(["kvcheck", "--model", str(small_dir), "--contexts", "256", *argv]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and words in err, err
 
 
-def test_missing_model_files_are_one_line(tmp_path):
-    res = _cli("kvcheck", "--model", str(tmp_path / "none.gguf"))
-    assert res.returncode == 2 and "GGUF file does not exist" in res.stderr
+def test_missing_model_files_are_one_line(tmp_path, capsys):
+    from tierguard.cli.main import main
+
+    assert main(["kvcheck", "--model", str(tmp_path / "none.gguf")]) == 2
+    assert "GGUF file does not exist" in capsys.readouterr().err

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -171,7 +170,19 @@ def test_bfloat16_and_float16_outputs_match_torch_casts(tmp_path, tiny):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tierguard", *args], capture_output=True, text=True, timeout=120)
+    """The CLI in this process (main() is what the console script runs), for speed."""
+    import contextlib
+    import io
+
+    from tierguard.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse
+            code = int(exc.code or 0)
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
 
 
 def _assert_one_line_exit_2(res: subprocess.CompletedProcess, *words: str) -> None:

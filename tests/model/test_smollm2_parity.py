@@ -102,3 +102,25 @@ def test_greedy_tokens_and_logits_match_transformers(ours, reference):
     print(f"max |logit diff| over {len(prompts)} prompts x {STEPS} steps: {worst:.2e}")
     assert worst < 1e-3
     assert tok.decode(outputs[0]).startswith("The capital of France is Paris.")
+
+
+@pytest.mark.slow
+def test_smollm2_export_import_round_trip(smollm2, tmp_path):
+    """The real model through export-gguf (f32) and back: every weight bit and the
+    tokenization of a real text (digits split one by one, as SmolLM's tokenizer does)."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from tierguard.model.gguf_export import export_gguf
+    from tierguard.model.gguf_import import import_gguf
+    from tierguard.model.tokenizer import HFTokenizer
+
+    _, model_dir = smollm2
+    back = import_gguf(export_gguf(model_dir, tmp_path / "s.gguf").path, tmp_path / "back").path
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as a, safe_open(str(back / "model.safetensors"), "pt") as b:
+        assert sorted(a.keys()) == sorted(b.keys())
+        for k in a.keys():
+            assert torch.equal(a.get_tensor(k), b.get_tensor(k)), k
+    text = Path("/usr/share/common-licenses/GPL-3").read_text() + " 2024 12345"
+    assert HFTokenizer(back).encode(text) == HFTokenizer(model_dir).encode(text)

@@ -26,7 +26,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     c.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     c.add_argument("--tie-word-embeddings", action="store_true")
     g = sub.add_parser("export-gguf", help="convert a local Llama model directory to GGUF (needs `pip install gguf`)")
-    g.add_argument("dir", help="local HF model directory, or 'tiny' for the built-in tiny model")
+    g.add_argument("dir", help="local HF model directory, 'tiny' or 'smollm2'")
     g.add_argument("out", help="GGUF file to write")
     g.add_argument("--dtype", choices=["f32", "f16"], default="f32")
     i = sub.add_parser(
@@ -54,13 +54,9 @@ def _import(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from tierguard.model.gguf_export import export_gguf
+    from tierguard.model.registry import resolve_model  # also 'tiny', 'smollm2', a .gguf
 
-    model_dir = args.dir
-    if model_dir == "tiny":
-        from tierguard.model.tiny import ensure_tiny_model
-
-        model_dir = ensure_tiny_model()
-    out = export_gguf(model_dir, args.out, dtype=args.dtype)
+    out = export_gguf(resolve_model(args.dir), args.out, dtype=args.dtype)
     print(f"wrote {out.path}: {out.tensors} tensors, vocab {out.vocab_size}, {out.dtype}")
     return 0
 

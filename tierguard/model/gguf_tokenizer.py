@@ -41,6 +41,22 @@ PRE_TOKENIZERS = {
 }
 
 
+def pre_tokenizer_name(tokenizer_json: dict) -> str:
+    """The `tokenizer.ggml.pre` name for a tokenizer.json's pre-tokenizer (export-gguf):
+    GPT-2's ByteLevel split, or a Sequence matching an entry of PRE_TOKENIZERS (what
+    import-gguf writes, and e.g. SmolLM's Digits + ByteLevel). Anything else: "gpt-2"."""
+    pre = tokenizer_json.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    digits = any(s.get("type") == "Digits" and s.get("individual_digits") for s in steps)
+    split = next((s.get("pattern", {}).get("Regex") for s in steps if s.get("type") == "Split"), None)
+    if split is None and any(s.get("type") == "ByteLevel" and s.get("use_regex", True) for s in steps):
+        split = _GPT2_SPLIT
+    for name in ("smollm", "llama-bpe", "qwen2", "gpt-2"):
+        if PRE_TOKENIZERS[name] == (digits, split):
+            return name
+    return "gpt-2"
+
+
 def _pre_tokenizer(pre: str):
     from tokenizers import Regex, pre_tokenizers
 
