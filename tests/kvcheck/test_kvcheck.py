@@ -161,7 +161,7 @@ def test_exit_code_follows_the_verdict(monkeypatch, tmp_path):
         (["--kv-dtype", "int4"], "--kv-dtype takes int8, fp8"),
         (["--contexts", "64"], "at least 128"),
         (["--contexts", "1k"], "exceeds the model's limit of 512"),
-        (["--trials", "0"], "--trials must be at least 1"),
+        (["--trials", "-1"], "--trials must be >= 0"),
         (["--text", "/no/such/file"], "--text '/no/such/file' is not a file"),
         (["--chunk", "1000"], "--chunk must be"),
     ],

@@ -38,8 +38,8 @@ class CheckSpec:
         bad = [d for d in self.kv_dtypes if d not in KV_DTYPES]
         if bad or not self.kv_dtypes:
             raise TierguardError(f"--kv-dtype takes {', '.join(KV_DTYPES)} (comma-separated), got {bad or 'none'}")
-        if self.trials < 1:
-            raise TierguardError(f"--trials must be at least 1, got {self.trials}")
+        if self.trials < 0:
+            raise TierguardError(f"--trials must be >= 0 (0: perplexity and agreement only), got {self.trials}")
         if self.thresholds.max_accuracy_drop < 0 or self.thresholds.max_ppl_increase < 0:
             raise TierguardError("--max-accuracy-drop and --max-ppl-increase must be >= 0")
         if self.chunk is not None and not 16 <= self.chunk <= min(self.contexts) // 2:
@@ -74,12 +74,14 @@ def run_check(spec: CheckSpec, progress=None, checkpoint=None) -> dict:
             s = kr.DtypeSession(
                 model_dir, kv_dtype, min(cfg.max_exact_len, longest + 16), device=spec.device,
                 threads=spec.threads, chunk=spec.prefill_chunk(),
+                max_wave=kr.wave_size(min(spec.contexts), max(1, spec.trials)),
             )  # fmt: skip
             sessions.append(s)
             # A context counts everything the engine holds: prompt + the one sampled token
             # (teacher pass), or prompt + answer (trials).
             s.teacher(builder.teacher_ids(longest - 1))
-            s.warm(builder.haystack_ids(longest - ANSWER_TOKENS))
+            if spec.trials:
+                s.warm(builder.haystack_ids(longest - ANSWER_TOKENS))
         runs = {s.run.kv_dtype: s.run for s in sessions}
         stats = kr.position_stats(runs, builder.teacher_ids(longest - 1))
         meta = {
@@ -116,6 +118,7 @@ def _document(spec: CheckSpec, meta: dict, runs: dict, stats, contexts: list[int
         "contexts": contexts,
         "complete": contexts == spec.contexts,
         "trials_per_context": spec.trials,
+        "passkey_run": spec.trials > 0,
         "seed": spec.seed,
         "passkey": "5-digit key at stratified depths in repetitive filler; correct = first number answered",
         "perplexity_window": "tokens at positions (L/2, L] of each context L, teacher-forced",
@@ -143,7 +146,7 @@ def table_rows(doc: dict) -> tuple[list[str], list[list[str]]]:
             [
                 str(r["context"]),
                 "baseline" if base else r["kv_dtype"],
-                f"{r['retrieval_accuracy']:.0f}% ({r['trials']})",
+                f"{r['retrieval_accuracy']:.0f}% ({r['trials']})" if r["trials"] else "not run",
                 f"{r['perplexity']:.3f}",
                 "" if base else f"{r['perplexity_increase_pct']:+.2f}%",
                 "" if base else f"{r['top1_agreement']:.4f}",
@@ -189,7 +192,8 @@ def plot(doc: dict, path: Path) -> Path:
         rs = [r for r in doc["results"] if r["kv_dtype"] == name]
         label = "baseline" if name == BASELINE else name
         x = [r["context"] for r in rs]
-        a1.plot(x, [r["retrieval_accuracy"] for r in rs], marker="o", label=label)
+        acc = [float("nan") if r["retrieval_accuracy"] is None else r["retrieval_accuracy"] for r in rs]
+        a1.plot(x, acc, marker="o", label=label)
         a2.plot(x, [r["perplexity"] for r in rs], marker="o", label=label)
     for ax, title in ((a1, "passkey retrieval accuracy (%)"), (a2, "perplexity, positions (L/2, L]")):
         ax.set_xscale("log", base=2)

@@ -64,11 +64,19 @@ def _model_of(engine):
     return getattr(runner, "model", None) or engine.model
 
 
-def _pool_gib(cfg, max_len: int, block_size: int) -> float:
-    """Room for the cached haystack plus one trial, at the unquantized size (a quantized
-    pool just gets more blocks than it needs). The teacher pass's blocks are evicted
-    first: the trials keep hitting the haystack's."""
-    blocks = 2 * -(-(max_len + 32) // block_size) + 8
+# Tokens of passkey trials the pool holds at once: trials run in waves of this many
+# tokens, so their decode steps batch (one step serves the whole wave).
+TRIAL_TOKENS = 16384
+
+
+def wave_size(context: int, trials: int) -> int:
+    return max(1, min(trials, TRIAL_TOKENS // context))
+
+
+def _pool_gib(cfg, max_len: int, block_size: int, trial_tokens: int) -> float:
+    """Room for the cached haystack, the teacher pass and one wave of trials, at the
+    unquantized size (a quantized pool just gets more blocks than it needs)."""
+    blocks = -(-(2 * max_len + trial_tokens + 64) // block_size) + 8
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
     return blocks * block_size * per_token / GIB
 
@@ -86,6 +94,7 @@ class DtypeSession:
         threads: int | None = None,
         chunk: int = 512,
         block_size: int = 16,
+        max_wave: int = 1,  # most trials in flight at once
     ) -> None:
         from tierguard.model.config import ModelConfig
 
@@ -94,9 +103,9 @@ class DtypeSession:
             model_dir,
             dtype="float32",
             device=device,
-            kv_cache_gib=_pool_gib(cfg, max_context, block_size),
+            kv_cache_gib=_pool_gib(cfg, max_context, block_size, min(TRIAL_TOKENS, max_wave * max_context)),
             block_size=block_size,
-            max_num_seqs=1,
+            max_num_seqs=max_wave,
             max_num_batched_tokens=chunk,
             max_model_len=max_context,
             num_threads=threads,  # None: the engine's CPU default (half the cores)
@@ -126,15 +135,20 @@ class DtypeSession:
         self.run.trials_s += time.perf_counter() - t0
 
     def trials(self, trials: list[Trial], decode, progress=None) -> None:
+        """Greedy answers, in waves that fit the pool (see TRIAL_TOKENS); each prompt's
+        shared prefix comes from the prefix cache."""
         t0 = time.perf_counter()
         params = SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0.0, stop=["."])
-        for trial in trials:
-            answer = decode(self.engine.generate([trial.prompt], params)[0])
-            self.run.trials.append(
-                TrialResult(trial.context, trial.index, trial.depth, trial.key, answer, answer_correct(answer, trial.key))
-            )
-            if progress is not None:
-                progress(self.run.kv_dtype, trial)
+        step = wave_size(max(len(t.prompt) for t in trials), len(trials)) if trials else 1
+        for w in range(0, len(trials), step):
+            wave = trials[w : w + step]
+            for trial, out in zip(wave, self.engine.generate([t.prompt for t in wave], params), strict=True):
+                answer = decode(out)
+                self.run.trials.append(
+                    TrialResult(trial.context, trial.index, trial.depth, trial.key, answer, answer_correct(answer, trial.key))
+                )
+                if progress is not None:
+                    progress(self.run.kv_dtype, trial)
         self.run.trials_s += time.perf_counter() - t0
 
     def close(self) -> None:

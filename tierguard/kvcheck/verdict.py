@@ -7,7 +7,8 @@ Per context L and dtype:
 - top-1 agreement and max |logit - baseline| over the same positions, teacher-forced.
 
 A dtype passes when, at every context, accuracy drops by at most `max_accuracy_drop`
-points and perplexity rises by at most `max_ppl_increase` percent. The bar is relative:
+points and perplexity rises by at most `max_ppl_increase` percent (with `--trials 0`
+no passkey runs and perplexity alone decides; the document says so). The bar is relative:
 a small model that fails the task unquantized is not failed again for it.
 """
 
@@ -42,13 +43,13 @@ def rows(runs: dict[str, DtypeRun], stats: PositionStats, contexts: list[int], t
         base: dict = {}
         for name, run in runs.items():
             trials = [t for t in run.trials if t.context == ctx]
-            acc = 100.0 * sum(t.correct for t in trials) / max(1, len(trials))
+            acc = 100.0 * sum(t.correct for t in trials) / len(trials) if trials else None
             ppl = math.exp(float(stats.nll[name][w].mean()))
             row = {
                 "context": ctx,
                 "kv_dtype": name,
                 "trials": len(trials),
-                "retrieval_accuracy": round(acc, 2),
+                "retrieval_accuracy": None if acc is None else round(acc, 2),
                 "perplexity": round(ppl, 4),
                 "positions": w.stop - w.start,
             }
@@ -56,7 +57,8 @@ def rows(runs: dict[str, DtypeRun], stats: PositionStats, contexts: list[int], t
                 base = row
             else:
                 agree = float((stats.top1[name][w] == stats.top1[BASELINE][w]).double().mean())
-                drop = base["retrieval_accuracy"] - acc
+                # No trials (--trials 0): perplexity alone decides.
+                drop = 0.0 if acc is None else base["retrieval_accuracy"] - acc
                 rise = 100.0 * (ppl / base["perplexity"] - 1.0)
                 row.update(
                     accuracy_drop_points=round(drop, 2),
