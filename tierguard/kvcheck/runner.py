@@ -73,11 +73,12 @@ def wave_size(context: int, trials: int) -> int:
     return max(1, min(trials, TRIAL_TOKENS // context))
 
 
-def _pool_gib(cfg, max_len: int, block_size: int, trial_tokens: int) -> float:
-    """Room for the cached haystack, the teacher pass and one wave of trials, at the
-    unquantized size (a quantized pool just gets more blocks than it needs)."""
+def _pool_gib(cfg, max_len: int, block_size: int, trial_tokens: int, kv_dtype: str) -> float:
+    """Room for the cached haystack, the teacher pass and one wave of trials: float32
+    K/V, or 1-byte K/V plus a float32 scale per token and KV head when quantized."""
     blocks = -(-(2 * max_len + trial_tokens + 64) // block_size) + 8
-    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+    per_head = cfg.head_dim * 4 if kv_dtype == BASELINE else cfg.head_dim + 4
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * per_head
     return blocks * block_size * per_token / GIB
 
 
@@ -103,7 +104,9 @@ class DtypeSession:
             model_dir,
             dtype="float32",
             device=device,
-            kv_cache_gib=_pool_gib(cfg, max_context, block_size, min(TRIAL_TOKENS, max_wave * max_context)),
+            kv_cache_gib=_pool_gib(
+                cfg, max_context, block_size, min(TRIAL_TOKENS, max_wave * max_context), kv_dtype
+            ),
             block_size=block_size,
             max_num_seqs=max_wave,
             max_num_batched_tokens=chunk,
