@@ -163,10 +163,6 @@ def _lm_head(engine) -> torch.Tensor:
     return (model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight).detach().float()
 
 
-def has_positions(runs: dict[str, DtypeRun]) -> bool:
-    return all(r.hidden.numel() for r in runs.values())
-
-
 @torch.inference_mode()
 def position_stats(runs: dict[str, DtypeRun], targets: list[int], chunk: int = 256) -> PositionStats:
     """NLL of the next token, greedy choice and |logits - baseline| at every position."""
