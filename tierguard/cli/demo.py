@@ -45,7 +45,6 @@ def real_model_section(console, run_dir: Path) -> None:
     """kvcheck on SmolLM2 into RUN_DIR/kvcheck (the report picks it up); skipped, with the
     reason, when the model package is missing. Reused when already complete (resume)."""
     import json
-    import os
 
     from tierguard.cli.kvcheck import print_table
     from tierguard.kvcheck.check import CheckSpec, run_check, write_outputs
@@ -68,10 +67,9 @@ def real_model_section(console, run_dir: Path) -> None:
     with console.status("importing SmolLM2 from its GGUF (first run only)..."):
         resolve_model("smollm2")
     with console.status(f"kvcheck: int8 and fp8 vs the unquantized pool at {contexts} tokens..."):
-        # The sweep's servers are gone by now: the section may use every core.
-        spec = CheckSpec(
-            model="smollm2", kv_dtypes=["int8", "fp8"], contexts=contexts, trials=20, threads=os.cpu_count()
-        )
+        # The engine's CPU default (half the cores): two threads on two busy cores ran
+        # several times slower than one.
+        spec = CheckSpec(model="smollm2", kv_dtypes=["int8", "fp8"], contexts=contexts, trials=20)
         doc = run_check(spec)
     write_outputs(doc, out)
     print_table(doc)
