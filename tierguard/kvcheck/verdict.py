@@ -32,7 +32,9 @@ class Thresholds:
 
 def _window(context: int, n_positions: int) -> slice:
     # stat index p predicts token p + 1; tokens L/2 + 1 .. L - 1 of an L-token context.
-    return slice(context // 2, min(context - 1, n_positions))  # the teacher pass has context - 1 tokens
+    # The teacher pass holds longest - 1 tokens (the engine needs room for the one token it
+    # samples), so at the longest context the window ends one position earlier.
+    return slice(context // 2, min(context - 1, n_positions))
 
 
 def rows(runs: dict[str, DtypeRun], stats: PositionStats, contexts: list[int], th: Thresholds) -> list[dict]:
