@@ -83,3 +83,24 @@ async def stream_request(session: aiohttp.ClientSession, url: str, body: dict,
 
 def run(coro):
     return asyncio.run(coro)
+
+
+def schedule_server_on(port: int, **schedule) -> ReadyProcess:
+    """A schedule server on a given port (to bring a killed upstream back where it was)."""
+    args = [sys.executable, "-m", "tierguard.bench.schedule_server", "--port", str(port)]
+    for k, v in schedule.items():
+        args += ["--" + k.replace("_", "-"), str(v)]
+    child = ReadyProcess(args, "READY ", grace_s=5.0)
+    child.start(20.0)
+    return child
+
+
+async def metric(session: aiohttp.ClientSession, url: str, name: str, **labels: str) -> float:
+    """The sum of the samples of `name` whose labels include `labels`, on a /metrics page; 0 when absent."""
+    from tierguard.bench.scrape import parse_metrics
+
+    async with session.get(url + "/metrics") as r:
+        samples = parse_metrics(await r.text())
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    return sum(v for k, v in samples.items()
+               if (k == name or k.startswith(name + "{")) and all(w in k for w in want))

@@ -92,22 +92,20 @@ def _overload(tmp_path, seconds: float) -> None:
         url = gate.url + "/v1/completions"
         seen = 0
 
-        def new_records(expected: int) -> list[dict]:
-            # A stream's line is written when the gate finishes relaying it, which can be a
-            # moment after the client read its last byte: wait for the lines, bounded.
+        def new_records(n: int) -> list[dict]:
+            """The next n log lines. A stream's line is written just after its last byte went
+            out, so the client may finish first: wait (bounded) for the gate to catch up."""
             nonlocal seen
             deadline = time.monotonic() + 10
-            lines = log.read_text().splitlines()
-            while len(lines) - seen < expected and time.monotonic() < deadline:
+            while len(lines := log.read_text().splitlines()) < seen + n and time.monotonic() < deadline:
                 time.sleep(0.05)
-                lines = log.read_text().splitlines()
             seen, fresh = len(lines), lines[seen:]
             return [json.loads(x) for x in fresh]
 
-        first = run(_flood(url, rate, seconds / 2))
-        _check(first, new_records(len(first)))
-        second = run(_flood(url, rate, seconds))
-        stats = _check(second, new_records(len(second)))
+        warm = run(_flood(url, rate, seconds / 2))
+        _check(warm, new_records(len(warm)))
+        measured = run(_flood(url, rate, seconds))
+        stats = _check(measured, new_records(len(measured)))
         print({**stats, "rate_rps": round(rate, 1)})
         upstream_health = run(_health(up.base_url))
         assert upstream_health["max_active"] <= CAPACITY  # the engine never queued behind the gate

@@ -154,10 +154,12 @@ class Fuzz:
     # -- after the cases ----------------------------------------------------------------------
     def wait_idle(self, timeout: float = 60.0) -> bool:
         """Until the engine runs nothing and the gate holds no slot and no queued job."""
+        from tierguard.gate.state import GATE
+
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             s = self.engine.stats()
-            gate = self.gate_app["gate"]
+            gate = self.gate_app[GATE]
             g = gate.controller.stats()
             if (s.num_running == 0 and s.num_waiting == 0 and not sum(g.in_flight.values())
                     and gate.runner.queue.empty()):

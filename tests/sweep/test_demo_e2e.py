@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -45,3 +46,8 @@ def test_demo_quick_writes_the_report(tmp_path):
     # The boundary table comes first, then the recommendation it rests on.
     assert res.stdout.index("Boundary") < res.stdout.index("Recommendation")
     assert "Prefix reuse" in html
+    from tierguard.model.registry import SMOLLM2_PACKAGE
+
+    if importlib.util.find_spec(SMOLLM2_PACKAGE) is not None:  # `make demo` installs it
+        assert "KV quantization on a real model (R7): smollm2" in html
+        assert json.loads((out / "run-quick" / "kvcheck" / "kvcheck.json").read_text())["complete"]

@@ -84,7 +84,9 @@ class TokenizerPrompts(PromptMaker):
     def __init__(self, directory: str) -> None:
         from tokenizers import Tokenizer
 
-        d = Path(directory)
+        from tierguard.model.registry import resolve_tokenizer  # 'smollm2', 'tiny', FILE.gguf
+
+        d = Path(resolve_tokenizer(directory))
         path = d / "tokenizer.json" if d.is_dir() else d
         if not path.is_file():
             raise TierguardError(f"--tokenizer {directory!r}: no tokenizer.json found there")

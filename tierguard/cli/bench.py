@@ -49,7 +49,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     w.add_argument("--num-sessions", type=int, default=8, help="sessions: conversations")
     w.add_argument("--turns", type=int, default=4, help="sessions: turns per conversation")
     w.add_argument("--trace", default=None, metavar="FILE", help="trace: JSONL with arrival_s/timestamp, input_len, output_len")
-    w.add_argument("--tokenizer", default=None, metavar="DIR", help="local dir with tokenizer.json (exact lengths)")
+    w.add_argument("--tokenizer", default=None, metavar="DIR", help="local dir with tokenizer.json, a .gguf file, 'tiny' or 'smollm2' (exact lengths)")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     w.add_argument("--temperature", type=float, default=0.0)

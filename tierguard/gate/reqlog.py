@@ -1,7 +1,7 @@
 """The JSONL request log (R11): one line per request, as the gate saw it.
 
 Fields: time, route, model, class, input/output tokens, queue wait, decision and
-reason, status, TTFT and E2E. Prompt text is absent unless `log_prompts` is on; keys
+reason, status, TTFT and E2E, and which upstream answered and why it was chosen. Prompt text is absent unless `log_prompts` is on; keys
 and headers are never written (the record is built from explicit fields only).
 """
 
@@ -35,6 +35,8 @@ class RequestRecord:
     stream: bool = False
     downgraded_from: int | None = None  # input tokens before a context downgrade
     job_id: str | None = None
+    upstream: int | None = None  # index of the --upstream that answered (the last one tried)
+    routed: str | None = None  # why it went there: prefix_hit, load, sticky, round_robin, failover
     prompt: str | None = None  # only with log_prompts
 
 

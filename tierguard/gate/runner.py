@@ -12,18 +12,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from typing import Protocol
 
 from tierguard.gate.admission import AdmissionController, AdmissionDecision, RequestInfo
-from tierguard.gate.forward import Upstream, UpstreamError
+from tierguard.gate.forward import UpstreamError
 from tierguard.gate.jobs import Job, JobStore
 from tierguard.gate.reqlog import RequestLog, RequestRecord
 
 log = logging.getLogger("tierguard.gate")
+
+
+class JsonPoster(Protocol):
+    """Where jobs go: `upstreams.Fleet` (routed, with one failover) or one `forward.Upstream`."""
+
+    async def post_json(self, path: str, body: dict) -> tuple[int, dict]: ...
+
 MAX_ATTEMPTS = 5
 
 
 class JobRunner:
-    def __init__(self, store: JobStore, controller: AdmissionController, upstream: Upstream,
+    def __init__(self, store: JobStore, controller: AdmissionController, upstream: JsonPoster,
                  reqlog: RequestLog, workers: int) -> None:
         self.store = store
         self.controller = controller

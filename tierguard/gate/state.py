@@ -8,18 +8,23 @@ import logging
 from dataclasses import dataclass, field
 
 import aiohttp
+from aiohttp import web
 
 from tierguard.common.crypto import KeyRing
 from tierguard.common.peers import PeerGuard, PeerLimits
 from tierguard.gate.admission import AdmissionController
 from tierguard.gate.forward import Upstream
 from tierguard.gate.jobs import JobStore
+from tierguard.gate.leases import LeaseStore
 from tierguard.gate.metrics import GateMetrics
 from tierguard.gate.policy import GateSettings
 from tierguard.gate.reqlog import RequestLog
+from tierguard.gate.routing import RoundRobin, make_router
 from tierguard.gate.runner import JobRunner
+from tierguard.gate.shared_admission import SharedAdmission
 from tierguard.gate.tokens import LocalTokenizer, TokenCounter, UpstreamTokenizer
 from tierguard.gate.tokens_fit import TokenBytes
+from tierguard.gate.upstreams import Fleet
 
 log = logging.getLogger("tierguard.gate")
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # when neither max_model_len nor a local tokenizer is known
@@ -33,12 +38,13 @@ def peer_limits(s: GateSettings) -> PeerLimits:
 @dataclass
 class GateState:
     settings: GateSettings
-    controller: AdmissionController
+    controller: AdmissionController | SharedAdmission
     metrics: GateMetrics
     reqlog: RequestLog
     jobs: JobStore
     session: aiohttp.ClientSession
-    upstream: Upstream
+    upstream: Upstream  # the first replica: /tokenize when counting remotely
+    fleet: Fleet  # every replica, health and routing
     counter: TokenCounter
     runner: JobRunner
     guard: PeerGuard
@@ -52,7 +58,17 @@ class GateState:
     async def create(cls, settings: GateSettings, guard: PeerGuard | None = None) -> GateState:
         s = settings
         guard = guard or PeerGuard(peer_limits(s))
-        controller = AdmissionController(s.policy)
+        controller: AdmissionController | SharedAdmission
+        if s.shared_state:
+            store = LeaseStore(s.shared_state, prefix=s.shared_prefix, lease_ms=s.lease_ms,
+                               timeout_s=s.shared_timeout_ms / 1000)
+            controller = SharedAdmission(s.policy, store, min_gates=s.shared_gates)
+            await controller.start()
+            log.info("shared limits in %s (prefix %s, lease %d ms): %s", s.shared_state, s.shared_prefix,
+                     s.lease_ms, f"{controller.counters.live_gates} live gate(s)" if controller.up
+                     else "unreachable, local share for now")
+        else:
+            controller = AdmissionController(s.policy)
         timeout = aiohttp.ClientTimeout(total=s.total_timeout_s, connect=s.connect_timeout_s,
                                         sock_read=s.read_timeout_s)
         connector = aiohttp.TCPConnector(limit=s.upstream_pool, limit_per_host=s.upstream_pool,
@@ -64,14 +80,21 @@ class GateState:
         headers = {"Content-Type": "application/json"}
         if s.upstream_api_key:
             headers["Authorization"] = f"Bearer {s.upstream_api_key}"
-        upstream = Upstream(session, s.upstream, headers, s.first_byte_timeout_s)
+        upstreams = [Upstream(session, url, headers, s.first_byte_timeout_s) for url in s.upstreams]
+        upstream = upstreams[0]
+        router = make_router(s.route, len(upstreams), beta=s.route_beta, imbalance=s.route_imbalance,
+                             index_entries=s.route_index_entries) if len(upstreams) > 1 else RoundRobin()
+        fleet = Fleet(upstreams, router, health_interval_s=s.health_interval_s, eject_after=s.eject_after)
+        if len(upstreams) > 1:
+            log.info("%d upstreams, route %s: %s", len(upstreams), s.route, ", ".join(s.upstreams))
         counter: TokenCounter
         if s.tokenizer:
             counter = LocalTokenizer(s.tokenizer, use_byte_bound=not s.exact_token_count,
                                      workers=s.tokenizer_workers, max_pending=s.tokenizer_queue)
             await counter.pool.warm()
         else:
-            remote = UpstreamTokenizer(session, s.upstream, headers, use_byte_bound=not s.exact_token_count)
+            remote = UpstreamTokenizer(session, s.upstream, headers, use_byte_bound=not s.exact_token_count,
+                                       pick=(lambda: fleet.any_replica().url) if len(upstreams) > 1 else None)
             counter = remote if await remote.probe() else TokenCounter()
         log.info("token counting: %s", counter.source)
         max_model_len = s.max_model_len or await _upstream_max_model_len(session, s.upstream, headers)
@@ -95,16 +118,18 @@ class GateState:
         if keyring is None:
             log.warning("async job files (prompts and answers) are stored unencrypted in %s; "
                         "pass --encrypt-key-file to encrypt them", s.jobs_dir)
-        runner = JobRunner(jobs, controller, upstream, reqlog, s.async_workers)
+        runner = JobRunner(jobs, controller, fleet, reqlog, s.async_workers)
         requeued = runner.start()
         log.info("async jobs in %s (%s, deleted %g s after they finish): %d re-queued, %d old results removed",
                  s.jobs_dir, f"AES-256-GCM, key {keyring.current.id_hex}" if keyring else "unencrypted",
                  s.job_ttl_s, requeued, swept)
         state = cls(settings=s, controller=controller, metrics=GateMetrics(controller), reqlog=reqlog, jobs=jobs,
-                    session=session, upstream=upstream, counter=counter, runner=runner, guard=guard,
+                    session=session, upstream=upstream, fleet=fleet, counter=counter, runner=runner, guard=guard,
                     max_body_bytes=max_body, max_model_len=max_model_len,
                     token_bytes=rule if rule is not None and rule.exact and max_model_len else None)
         state.metrics.add_edge(guard, counter.pool if isinstance(counter, LocalTokenizer) else None, jobs)
+        state.metrics.add_fleet(fleet, controller if isinstance(controller, SharedAdmission) else None)
+        fleet.start()
         state.tasks.append(asyncio.create_task(state._sweep_jobs()))
         return state
 
@@ -127,10 +152,16 @@ class GateState:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         await self.runner.stop()
+        await self.fleet.stop()
+        if isinstance(self.controller, SharedAdmission):
+            await self.controller.close()
         await self.session.close()
         if isinstance(self.counter, LocalTokenizer):
             self.counter.pool.close()
         self.reqlog.close()
+
+
+GATE = web.AppKey("tierguard_gate", GateState)  # the running gate's state, on its aiohttp app
 
 
 async def _upstream_max_model_len(session: aiohttp.ClientSession, base: str, headers: dict[str, str]) -> int | None:

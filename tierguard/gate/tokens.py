@@ -21,6 +21,7 @@ milliseconds of TTFT under load) is skipped. Only requests near a limit are coun
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,9 +144,10 @@ class UpstreamTokenizer(TokenCounter):
     method = "exact"
 
     def __init__(self, session: aiohttp.ClientSession, base_url: str, headers: dict[str, str],
-                 use_byte_bound: bool = True) -> None:
+                 use_byte_bound: bool = True, pick: Callable[[], str] | None = None) -> None:
         self.session = session
         self.url = base_url + "/tokenize"
+        self.pick = pick  # several upstreams: the base URL of a healthy one, per call
         self.headers = headers
         self.source = f"upstream {self.url}"
         self.failures = 0
@@ -153,7 +155,8 @@ class UpstreamTokenizer(TokenCounter):
 
     async def _call(self, payload: dict) -> int | None:
         try:
-            async with self.session.post(self.url, json=payload, headers=self.headers,
+            url = self.pick() + "/tokenize" if self.pick is not None else self.url
+            async with self.session.post(url, json=payload, headers=self.headers,
                                          timeout=aiohttp.ClientTimeout(total=5)) as resp:
                 if resp.status != 200:
                     self.failures += 1

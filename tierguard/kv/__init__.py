@@ -1,7 +1,8 @@
 """Tiered KV store and the cold contract.
 
 Tiers: device pool (hot KV of running sequences only) -> host RAM (`HostTier`, a bounded
-slab) -> cold media (`DiskTier`, one checksummed file per block; more by registration).
+slab) -> cold media (`DiskTier`, one checksummed file per block; `RemoteTier`, Redis shared
+by replicas; more by registration).
 The engine talks only to the connector; policy (manager, LRU, contract) is kept apart
 from mechanism (transfer worker, copy handlers, media). See docs/architecture.md.
 
@@ -14,6 +15,9 @@ media.py          block specs per medium, the ColdMedium interface, the medium r
 disk_tier.py      the "disk" medium: atomic checksummed block files, byte budget, restart scan
 block_format.py   a stored block, medium-neutral: header, checksum, codec (encryption hook)
 disk_format.py    block file names, directory scan, raw file I/O
+remote_tier.py    the "remote" medium: blocks shared by replicas through one Redis (--kv-remote-url)
+remote_index.py   what is known to be in Redis, without a round trip: own writes + the fleet's journal
+breaker.py        circuit breaker: a Redis that is down costs no waiting
 transfer.py       transfer worker: jobs routed by (source spec, destination spec) to handlers
 copy_handlers.py  device <-> host (batched, contiguous) and host <-> cold medium handlers
 spec.py           KV layout (blocks first), device pool, the one model fingerprint

@@ -11,12 +11,14 @@ leaving the rest for the prefill of the uncached tail and the first token:
 
     arrival ----- staging (staging_share x budget) ----|---- prefill + first token ----| budget
 
-When staging misses its deadline (or a block fails to arrive):
+When staging misses its deadline:
 - interactive: recompute the prefix now, unless recomputing is itself estimated to blow
   the budget several times over and the request allows it, in which case the request is
   moved to the asynchronous (batch) path;
 - batch: keep waiting for the staged blocks; batch tolerates delay and recomputing would
   steal compute from interactive work.
+When a staged block fails to arrive (a miss, a bad checksum, the medium down), there is
+nothing left to wait for: every class recomputes what was not staged (`decide_on_failure`).
 Every decision is counted per class and action and logged with its reason.
 
 Class order at admission (with tiers): an interactive request within LOOKAHEAD of the
@@ -79,6 +81,11 @@ class ContractStats:
     decisions: dict[str, int] = counter("Cold-contract decisions by class_action.", "contract_{key}", {})
     deadline_misses: dict[str, int] = counter(
         "Staging deadlines missed per request class.", "staging_deadline_misses_{key}", {}
+    )
+    stage_failures: dict[str, int] = counter(
+        "Loads whose staged blocks did not arrive (miss, bad checksum, medium down) per request class.",
+        "staging_failures_{key}",
+        {},
     )
 
 
@@ -144,6 +151,7 @@ class ColdContract:
         self._lock = threading.Lock()
         self.decisions: Counter[tuple[str, str]] = Counter()
         self.deadline_misses: Counter[str] = Counter()
+        self.stage_failures: Counter[str] = Counter()
 
     def _budget_ms(self, request_class: str) -> float:
         if request_class not in self.budgets:
@@ -209,9 +217,21 @@ class ColdContract:
         )
         return decision
 
+    def decide_on_failure(self, request_class: str, reason: str) -> Decision:
+        """Staged blocks failed to arrive (a miss, a bad checksum, the medium down). Nothing
+        is left to wait for, so every class recomputes what was not staged; counted as a
+        decision like a missed deadline."""
+        decision = Decision("recompute", f"staging failed: {reason}")
+        with self._lock:
+            self.decisions[(request_class, decision.action)] += 1
+            self.stage_failures[request_class] += 1
+        log.info("cold contract: class=%s action=recompute reason=%s", request_class, decision.reason)
+        return decision
+
     def stats(self) -> ContractStats:
         with self._lock:
             return ContractStats(
                 {f"{cls}_{action}": n for (cls, action), n in self.decisions.items()},
                 dict(self.deadline_misses),
+                dict(self.stage_failures),
             )

@@ -120,7 +120,7 @@ class MediumContext:
 MediumFactory = Callable[[MediumContext, Mapping[str, Any]], ColdMedium]
 
 # Media shipped with tierguard, imported on first use: name -> module that registers it.
-BUILTIN_MEDIA: dict[str, str] = {"disk": "tierguard.kv.disk_tier"}
+BUILTIN_MEDIA: dict[str, str] = {"disk": "tierguard.kv.disk_tier", "remote": "tierguard.kv.remote_tier"}
 _REGISTRY: dict[str, MediumFactory] = {}
 
 

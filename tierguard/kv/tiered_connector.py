@@ -166,6 +166,11 @@ class TieredConnector(KVConnector):
         if load.pending_stages:
             return
         load.keep = self.manager.complete_stage(load.plan, load.stage_ok)
+        if not load.abandoned and load.keep < len(load.plan.blocks):
+            failed = sorted({b.source for b in load.plan.blocks if not load.stage_ok.get(b.block_hash, True)})
+            self.contract.decide_on_failure(
+                self.contract.class_of(load.seq.request_class), f"blocks from {', '.join(failed)} did not arrive"
+            )
         if load.keep and not load.abandoned:
             self._load_to_device(load)
             return

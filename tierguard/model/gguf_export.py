@@ -25,6 +25,7 @@ from pathlib import Path
 
 from tierguard.common.errors import TierguardError
 from tierguard.model.config import ModelConfig
+from tierguard.model.gguf_tokenizer import pre_tokenizer_name
 
 # HF name inside "model.layers.N." -> GGUF name inside "blk.N."
 _LAYER_NAMES = {
@@ -111,7 +112,7 @@ def export_gguf(model_dir: str | Path, out_path: str | Path, dtype: str = "f32")
     writer.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
 
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")  # the GPT-2 split regex, as tokenizers' ByteLevel uses
+    writer.add_tokenizer_pre(pre_tokenizer_name(_read_json(model_dir / "tokenizer.json")))
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)

@@ -71,7 +71,9 @@ def load_model(model: str, extra_dirs: list[str] | None = None) -> ModelSpec:
         raise TierguardError(
             "--model is required: a config.json path, a directory holding one, or a catalogue name"
         )
-    path = Path(model).expanduser()
+    from tierguard.model.registry import imported_model_dir  # 'smollm2' and .gguf files
+
+    path = imported_model_dir(model) or Path(model).expanduser()
     if path.is_dir():
         cfg = path / "config.json"
         if not cfg.is_file():

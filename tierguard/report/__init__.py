@@ -53,6 +53,11 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> ReportFiles:
         "environment": environment_table(data),
     }
     plots = all_plots(data)
+    from tierguard.kvcheck.check import report_section
+
+    kvcheck = report_section(Path(run_dir))  # the demo's real-model section, when it ran
+    if kvcheck is not None:
+        tables["kvcheck"], plots["kvcheck"] = kvcheck
     recs = recommendations(data)
     plot_paths, plot_files = [], {}
     for name, (caption, png) in plots.items():

@@ -85,6 +85,9 @@ def render_html(
     parts.append(table_html(tables["single"]))
     if "prefix" in tables and tables["prefix"].rows:
         parts.append(table_html(tables["prefix"]))
+    if "kvcheck" in tables:
+        parts.append(table_html(tables["kvcheck"]))
+        parts.append(_figure("kvcheck", *plots["kvcheck"]))
     parts.append("<h2>Latency vs concurrency</h2>")
     for name in ("p99_ttft", "p99_itl"):
         if name in plots:

@@ -32,6 +32,8 @@ def render_markdown(
     out.append(table_md(tables["single"]))
     if "prefix" in tables and tables["prefix"].rows:
         out.append(table_md(tables["prefix"]))
+    if "kvcheck" in tables:
+        out.append(table_md(tables["kvcheck"]))
     if plot_files:
         out += ["## Plots", ""]
         out += [f"![{caption}]({path})" for caption, path in plot_files.values()]

@@ -1,0 +1,169 @@
+"""What one replica knows to be in the shared remote tier, without asking Redis.
+
+Why a local index: the scheduler asks "is this block in some tier?" inside a step, where
+a network round trip is forbidden. The index answers from memory; a load then confirms
+(a key that expired or was evicted meanwhile is a counted miss and leaves the index).
+
+Filled from two sources:
+- this replica's own writes (`add_own`, after Redis acknowledged the SETs);
+- the journal: a Redis stream `<ns>:<fingerprint>:journal` every replica appends one
+  entry to per write job (`put`: the packed u64 hashes it stored; `del`: those it deleted
+  to stay within its budget). `refresh` reads the entries after its cursor (server-
+  assigned, monotonic stream ids: nothing is read twice or skipped) on the remote tier's
+  refresh thread. Writers trim entries older than the TTL (`MINID`), so the stream holds
+  only blocks that may still be alive, and a replica that starts later reads it whole.
+
+A block's local expiry is its write time plus the TTL (the key's own PX), so the index
+never claims a block Redis has already expired. When Redis restarts (a new `run_id`), the
+index is cleared and the journal read again from its start.
+
+Budget: used bytes = known blocks x stored block size; `make_room` picks the least
+recently used blocks to delete before a write would pass the budget (lru.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from tierguard.kv.lru import LRUPolicy
+
+PAGE = 1000  # journal entries per XRANGE
+
+
+def pack(hashes: list[int]) -> bytes:
+    return b"".join(h.to_bytes(8, "little") for h in hashes)
+
+
+def unpack(raw: bytes | None) -> list[int]:
+    raw = raw or b""
+    return [int.from_bytes(raw[i : i + 8], "little") for i in range(0, len(raw) - len(raw) % 8, 8)]
+
+
+class RemoteIndex:
+    """Thread-safe. `refresh` talks to Redis (raises RedisError); everything else is local."""
+
+    def __init__(self, client: Any, journal_key: str, ttl_ms: int, stored_bytes: int) -> None:
+        self.client = client
+        self.journal_key = journal_key
+        self.ttl_ms = ttl_ms
+        self.stored_bytes = stored_bytes
+        self.check_identity = True  # compare Redis' run id on the next refresh
+        self._lock = threading.Lock()
+        self._expiry: dict[int, float] = {}  # hash -> unix time the key expires
+        self._lru = LRUPolicy()
+        self._queue: deque[tuple[float, int]] = deque()  # (expiry, hash), roughly in expiry order
+        self._cursor = "-"  # last journal id applied
+        self._run_id: str | None = None
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._expiry)
+
+    def contains(self, block_hash: int) -> bool:
+        with self._lock:
+            expiry = self._expiry.get(block_hash)
+        return expiry is not None and expiry > time.time()
+
+    # ---- local changes ----
+
+    def _add(self, block_hash: int, expiry: float) -> bool:
+        new = block_hash not in self._expiry
+        if new or expiry > self._expiry[block_hash]:
+            self._expiry[block_hash] = expiry
+            self._queue.append((expiry, block_hash))
+        if new:
+            self._lru.insert(block_hash)
+        return new
+
+    def _remove(self, block_hash: int) -> bool:
+        if self._expiry.pop(block_hash, None) is None:
+            return False
+        self._lru.remove(block_hash)
+        return True
+
+    def add_own(self, hashes: list[int]) -> None:
+        expiry = time.time() + self.ttl_ms / 1000.0
+        with self._lock:
+            for h in hashes:
+                self._add(h, expiry)
+
+    def drop(self, hashes: list[int]) -> None:
+        with self._lock:
+            for h in hashes:
+                self._remove(h)
+
+    def touch(self, hashes: list[int]) -> None:
+        with self._lock:
+            for h in hashes:
+                self._lru.touch(h)
+
+    def make_room(self, incoming_bytes: int, capacity_bytes: int) -> list[int]:
+        """Remove least recently used blocks until `incoming_bytes` more fit; the caller
+        deletes them in Redis and announces the deletion."""
+        victims = []
+        with self._lock:
+            while self._expiry and (len(self._expiry) * self.stored_bytes + incoming_bytes > capacity_bytes):
+                h = self._lru.pop_victim()
+                if h is None:
+                    break
+                self._expiry.pop(h, None)
+                victims.append(h)
+        return victims
+
+    def expire(self) -> int:
+        """Forget blocks whose TTL has passed; returns how many."""
+        now, n = time.time(), 0
+        with self._lock:
+            while self._queue and self._queue[0][0] <= now:
+                expiry, h = self._queue.popleft()
+                if self._expiry.get(h) == expiry:
+                    n += self._remove(h)
+        return n
+
+    # ---- the journal ----
+
+    def announce(self, pipe: Any, puts: list[int], dels: list[int]) -> None:
+        """Queue one journal entry on `pipe` (trimming entries older than the TTL)."""
+        fields = {}
+        if puts:
+            fields["put"] = pack(puts)
+        if dels:
+            fields["del"] = pack(dels)
+        if not fields:
+            return
+        now_ms = int(time.time() * 1000)
+        pipe.xadd(self.journal_key, fields, minid=max(0, now_ms - self.ttl_ms), approximate=True)
+        pipe.pexpire(self.journal_key, 2 * self.ttl_ms)  # a fleet that stopped leaves nothing behind
+
+    def refresh(self) -> tuple[int, int, bool]:
+        """Apply journal entries after the cursor: (blocks learned, blocks forgotten, reset)."""
+        reset = False
+        if self.check_identity:
+            run_id = str(self.client.info("server").get("run_id", ""))
+            with self._lock:
+                if self._run_id is not None and run_id != self._run_id:
+                    self._expiry.clear()
+                    self._lru = LRUPolicy()
+                    self._queue.clear()
+                    self._cursor, reset = "-", True
+                self._run_id = run_id
+            self.check_identity = False
+        learned = forgotten = 0
+        while True:
+            with self._lock:
+                lo = "-" if self._cursor == "-" else "(" + self._cursor
+            entries = self.client.xrange(self.journal_key, min=lo, max="+", count=PAGE) or []
+            now = time.time()
+            with self._lock:
+                for entry_id, fields in entries:
+                    eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+                    expiry = int(eid.split("-")[0]) / 1000.0 + self.ttl_ms / 1000.0
+                    if expiry > now:
+                        learned += sum(self._add(h, expiry) for h in unpack(fields.get(b"put")))
+                    forgotten += sum(self._remove(h) for h in unpack(fields.get(b"del")))
+                    self._cursor = eid
+            if len(entries) < PAGE:
+                return learned, forgotten, reset
