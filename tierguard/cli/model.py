@@ -28,7 +28,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g = sub.add_parser("export-gguf", help="convert a local Llama model directory to GGUF (needs `pip install gguf`)")
     g.add_argument("dir", help="local HF model directory, 'tiny' or 'smollm2'")
     g.add_argument("out", help="GGUF file to write")
-    g.add_argument("--dtype", choices=["f32", "f16"], default="f32")
+    g.add_argument("--dtype", choices=["f32", "f16", "q8_0", "q4_0", "q4_1"], default="f32")
     i = sub.add_parser(
         "import-gguf", help="convert a GGUF file (any type gguf can dequantize) to a local HF model directory"
     )

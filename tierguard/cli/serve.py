@@ -162,12 +162,16 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     from tierguard.engine.async_engine import AsyncLLMEngine
+    from tierguard.model.gguf_quant import gguf_source
     from tierguard.model.registry import model_name as default_name
     from tierguard.model.registry import resolve_model
 
     model_dir = resolve_model(args.model)
     model_name = args.served_model_name or default_name(args.model, model_dir)
-    engine = AsyncLLMEngine.from_model_dir(model_dir, model_name=model_name, **_engine_kwargs(args))
+    kwargs = _engine_kwargs(args)
+    if args.weight_dtype == "int4":  # int4 layers from the file's own Q4 blocks
+        kwargs["gguf_path"] = gguf_source(args.model)
+    engine = AsyncLLMEngine.from_model_dir(model_dir, model_name=model_name, **kwargs)
     return asyncio.run(_serve(engine, args, model_name))
 
 

@@ -118,6 +118,7 @@ def build_engine(
     int4_group: int = 32,
     target_itl_ms: float | None = None,
     cuda_graphs: bool = True,
+    gguf_path: str | Path | None = None,
 ) -> LLMEngine:
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)  # fail fast on a bad directory, before loading weights
@@ -140,7 +141,9 @@ def build_engine(
         raise TierguardError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
     if weights_offload_gib is not None and weights_offload_gib < 0:
         raise TierguardError(f"--weights-offload-gib must be >= 0, got {weights_offload_gib}")
-    model, cfg, torch_dtype, dev = load_model(model_dir, dtype, device, weight_dtype=weight_dtype, int4_group=int4_group)
+    model, cfg, torch_dtype, dev = load_model(
+        model_dir, dtype, device, weight_dtype=weight_dtype, int4_group=int4_group, gguf_path=gguf_path
+    )
     # Weight offload has its own budget (R6); attached before the KV budget is measured,
     # so on CUDA the device memory it frees goes to the KV pool.
     WeightOffloader.attach(model, weights_offload_gib)

@@ -1,7 +1,8 @@
 """Decode-speed probe: `python -m tierguard.engine.speed [--batch 1,32] [--threads N]`.
 
 Prints one JSON line per batch size: output tokens/s of steady-state decode (prefill
-excluded) on the default tiny model, or `--model DIR`, then (unless `--no-profile`) a
+excluded) on the default tiny model, or `--model smollm2|DIR|FILE.gguf`, then (unless
+`--no-profile`) a
 one-line summary of where a step's time goes (tierguard/engine/profile.py, measured
 with torch.profiler over further steps, so its absolute times include the profiler's
 own overhead; the JSON's `ms_per_step` does not). Timings on a shared machine are
@@ -20,7 +21,8 @@ import torch
 from tierguard.engine.api import SamplingParams
 from tierguard.engine.factory import build_engine
 from tierguard.engine.profile import profile_steps, summary_line
-from tierguard.model.tiny import ensure_tiny_model
+from tierguard.model.gguf_quant import gguf_source
+from tierguard.model.registry import resolve_model
 
 
 def measure(
@@ -36,10 +38,11 @@ def measure(
     while any(s.is_prefill for s in engine.seqs.values()):
         engine.step()
     engine.step()
-    start, tokens = time.perf_counter(), 0
+    start, cpu_start, tokens = time.perf_counter(), time.process_time(), 0
     for _ in range(steps):
         tokens += sum(len(o.new_token_ids) for o in engine.step())
     elapsed = time.perf_counter() - start
+    cpu = time.process_time() - cpu_start
     parts = profile_steps(engine, profile) if profile else None
     for rid in list(engine.seqs):
         engine.abort(rid)
@@ -50,6 +53,9 @@ def measure(
         "tokens": tokens,
         "tokens_per_s": round(tokens / elapsed, 1),
         "ms_per_step": round(elapsed / steps * 1000, 2),
+        # CPU time of all threads per step: on a shared machine, wall time also counts
+        # the time other processes held the cores; with one thread this is the step's work.
+        "cpu_ms_per_step": round(cpu / steps * 1000, 2),
         "threads": torch.get_num_threads(),
         "temperature": temperature,
         "weight_dtype": engine.runner.weight_dtype,
@@ -62,7 +68,7 @@ def measure(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None)
+    ap.add_argument("--model", default="tiny", help="tiny, smollm2, a model directory or a .gguf file")
     ap.add_argument("--batch", default="1,32")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=64)
@@ -77,7 +83,8 @@ def main() -> None:
     batches = [int(x) for x in args.batch.split(",")]
     max_len = args.max_model_len or args.prompt_len + args.steps + args.profile_steps + 16
     engine = build_engine(
-        args.model or ensure_tiny_model(),
+        resolve_model(args.model),
+        gguf_path=gguf_source(args.model) if args.weight_dtype == "int4" else None,
         kv_cache_gib=args.kv_cache_gib,
         device="auto",
         num_threads=args.threads,

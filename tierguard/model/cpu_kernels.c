@@ -14,6 +14,7 @@
  *   pool[block * blk_stride + kv_or_v * v_offset + slot * heads_kv * D + head * D + d]
  */
 #include <float.h>
+#include <omp.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -59,70 +60,72 @@ static inline float hsum8(v8 x) {
     return s;
 }
 
-/* One sequence, one KV head: its G = heads / kv_heads query heads together, so each K
- * and V row is loaded once for all of them. Head dims that are multiples of 8 (all the
- * models we run) take the vector path; others the scalar loops. */
-static void attend_one(const tg_decode_args *a, int b, int h) {
+/* One sequence, KV heads [h0, h1) with their G = heads / kv_heads query heads each.
+ * Slot-major: each slot's K (then V) row of these heads is read once, contiguously, for
+ * all of their query heads. Head dims that are multiples of 8 (all the models we run)
+ * take the vector path; others the scalar loops. */
+static void attend(const tg_decode_args *a, int b, int h0, int h1) {
     const int KV = a->kv_heads, D = a->head_dim, bs = a->block_size;
-    const int G = a->heads / KV;
+    const int G = a->heads / KV, NQ = (h1 - h0) * G; /* query heads handled here */
     const int L = a->ctx[b];
     const int64_t row = (int64_t)KV * D;
     const int32_t *table = a->tables + (int64_t)a->rows[b] * a->table_stride;
-    const float *qsrc = a->q + (int64_t)b * a->q_stride + (int64_t)h * G * D;
-    float *scores = a->work + ((int64_t)b * a->heads + (int64_t)h * G) * a->work_stride;
-    float q[G * D], acc[G * D], mx[G], sum[G];
-    for (int i = 0; i < G * D; i++) {
+    const float *qsrc = a->q + (int64_t)b * a->q_stride + (int64_t)h0 * G * D;
+    float *scores = a->work + ((int64_t)b * a->heads + (int64_t)h0 * G) * a->work_stride;
+    float q[NQ * D], acc[NQ * D], mx[NQ], sum[NQ];
+    for (int i = 0; i < NQ * D; i++) {
         q[i] = qsrc[i] * a->scale;
         acc[i] = 0.f;
     }
-    for (int g = 0; g < G; g++) mx[g] = -FLT_MAX; /* finite: built with -ffast-math */
+    for (int i = 0; i < NQ; i++) mx[i] = -FLT_MAX; /* finite: built with -ffast-math */
     const int vec = D % 8 == 0;
     for (int j0 = 0; j0 < L; j0 += bs) {
-        const float *base = a->pool + (int64_t)table[j0 / bs] * a->blk_stride + (int64_t)h * D;
+        const float *base = a->pool + (int64_t)table[j0 / bs] * a->blk_stride + (int64_t)h0 * D;
         const int n = L - j0 < bs ? L - j0 : bs;
         for (int s = 0; s < n; s++) {
-            const float *k = base + s * row;
-            for (int g = 0; g < G; g++) {
-                const float *qg = q + g * D;
+            const float *krow = base + s * row;
+            for (int i = 0; i < NQ; i++) {
+                const float *k = krow + (i / G) * D, *qi = q + i * D;
                 float dot;
                 if (vec) {
                     v8 x0 = {0}, x1 = {0};
                     int d = 0;
                     for (; d + 16 <= D; d += 16) {
-                        x0 += *(const v8 *)(qg + d) * *(const v8 *)(k + d);
-                        x1 += *(const v8 *)(qg + d + 8) * *(const v8 *)(k + d + 8);
+                        x0 += *(const v8 *)(qi + d) * *(const v8 *)(k + d);
+                        x1 += *(const v8 *)(qi + d + 8) * *(const v8 *)(k + d + 8);
                     }
-                    if (d < D) x0 += *(const v8 *)(qg + d) * *(const v8 *)(k + d);
+                    if (d < D) x0 += *(const v8 *)(qi + d) * *(const v8 *)(k + d);
                     dot = hsum8(x0 + x1);
                 } else {
                     dot = 0.f;
-                    for (int d = 0; d < D; d++) dot += qg[d] * k[d];
+                    for (int d = 0; d < D; d++) dot += qi[d] * k[d];
                 }
-                scores[(int64_t)g * a->work_stride + j0 + s] = dot;
-                if (dot > mx[g]) mx[g] = dot;
+                scores[(int64_t)i * a->work_stride + j0 + s] = dot;
+                if (dot > mx[i]) mx[i] = dot;
             }
         }
     }
-    for (int g = 0; g < G; g++) {
-        float *sg = scores + (int64_t)g * a->work_stride;
+    for (int i = 0; i < NQ; i++) {
+        float *si = scores + (int64_t)i * a->work_stride;
         float s = 0.f;
-        const float m = mx[g];
+        const float m = mx[i];
 #pragma omp simd reduction(+ : s)
         for (int j = 0; j < L; j++) {
-            sg[j] = expf(sg[j] - m);
-            s += sg[j];
+            si[j] = expf(si[j] - m);
+            s += si[j];
         }
-        sum[g] = s;
+        sum[i] = s;
     }
     for (int j0 = 0; j0 < L; j0 += bs) {
         const float *base =
-            a->pool + (int64_t)table[j0 / bs] * a->blk_stride + a->v_offset + (int64_t)h * D;
+            a->pool + (int64_t)table[j0 / bs] * a->blk_stride + a->v_offset + (int64_t)h0 * D;
         const int n = L - j0 < bs ? L - j0 : bs;
         for (int s = 0; s < n; s++) {
-            const float *v = base + s * row;
-            for (int g = 0; g < G; g++) {
-                const float p = scores[(int64_t)g * a->work_stride + j0 + s];
-                float *o = acc + g * D;
+            const float *vrow = base + s * row;
+            for (int i = 0; i < NQ; i++) {
+                const float p = scores[(int64_t)i * a->work_stride + j0 + s];
+                const float *v = vrow + (i / G) * D;
+                float *o = acc + i * D;
                 if (vec) {
                     for (int d = 0; d < D; d += 8) *(v8 *)(o + d) += p * *(const v8 *)(v + d);
                 } else {
@@ -131,24 +134,31 @@ static void attend_one(const tg_decode_args *a, int b, int h) {
             }
         }
     }
-    for (int g = 0; g < G; g++) {
-        float *o = a->out + ((int64_t)b * a->heads + (int64_t)h * G + g) * D;
-        const float inv = 1.f / sum[g];
-        for (int d = 0; d < D; d++) o[d] = acc[g * D + d] * inv;
+    for (int i = 0; i < NQ; i++) {
+        float *o = a->out + ((int64_t)b * a->heads + (int64_t)h0 * G + i) * D;
+        const float inv = 1.f / sum[i];
+        for (int d = 0; d < D; d++) o[d] = acc[i * D + d] * inv;
     }
 }
 
-/* Returns 0, or -1 when a group's queries (G x head_dim floats) would not fit the stack
- * buffers' budget. */
+/* Returns 0, or -1 when the queries (heads x head_dim floats) would not fit the stack
+ * buffers' budget. With at least as many sequences as threads each thread takes whole
+ * sequences (all heads: one pass over each slot); with fewer, KV heads are split over
+ * the threads. */
 int tg_decode_attention_f32(const tg_decode_args *a) {
-    if ((int64_t)(a->heads / a->kv_heads) * a->head_dim > 8192) return -1;
+    if ((int64_t)a->heads * a->head_dim > 16384) return -1;
     store_new(a);
-    const int n = a->batch * a->kv_heads;
+    const int KV = a->kv_heads;
+    if (a->batch >= omp_get_max_threads()) {
+#pragma omp parallel for schedule(dynamic, 1)
+        for (int b = 0; b < a->batch; b++) attend(a, b, 0, KV);
+    } else {
+        const int n = a->batch * KV;
 #pragma omp parallel for schedule(dynamic, 1) if (n > 1)
-    for (int i = 0; i < n; i++) attend_one(a, i / a->kv_heads, i % a->kv_heads);
+        for (int i = 0; i < n; i++) attend(a, i / KV, i % KV, i % KV + 1);
+    }
     return 0;
 }
-
 
 
 /* ---- weight-only int8 / int4 matmuls for few rows (decode) ------------------------
@@ -182,7 +192,24 @@ static inline void u4_to_f32(const uint8_t *p, v8 *lo, v8 *hi) {
     *lo = (v8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, mask)));
     *hi = (v8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask)));
 }
+/* A 32-value group in GGUF order: 16 bytes, low nibbles = values 0..15, high = 16..31. */
+static inline void u4x32_to_f32(const uint8_t *p, v8 *q0, v8 *q1, v8 *q2, v8 *q3) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)p), mask = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    *q0 = (v8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    *q1 = (v8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    *q2 = (v8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    *q3 = (v8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+}
 #else
+static inline void u4x32_to_f32(const uint8_t *p, v8 *q0, v8 *q1, v8 *q2, v8 *q3) {
+    for (int i = 0; i < 8; i++) {
+        (*q0)[i] = (float)(p[i] & 15);
+        (*q1)[i] = (float)(p[i + 8] & 15);
+        (*q2)[i] = (float)(p[i] >> 4);
+        (*q3)[i] = (float)(p[i + 8] >> 4);
+    }
+}
 static inline v8 i8_to_f32(const int8_t *p) {
     v8 r;
     for (int i = 0; i < 8; i++) r[i] = (float)p[i];
@@ -196,19 +223,33 @@ static inline void u4_to_f32(const uint8_t *p, v8 *lo, v8 *hi) {
 }
 #endif
 
+/* U independent accumulators per activation row hide the FMA latency (a single chain
+ * of dependent FMAs would bound the loop at one FMA per 4 cycles); fewer rows, more U,
+ * so rows x U stays within the 16 vector registers. */
+#define TG_UNROLL(M) ((M) == 1 ? 4 : (M) <= 3 ? 2 : 1)
+
 static inline void gemv_int8_rows(const float *x, int M, int64_t K, const int8_t *w, const float *scale,
                                   int64_t n0, int64_t n1, float *y, int64_t ldy) {
+    const int U = TG_UNROLL(M);
     for (int64_t n = n0; n < n1; n++) {
         const int8_t *wr = w + n * K;
-        v8 acc[TG_MAX_M];
-        for (int m = 0; m < M; m++) acc[m] = (v8){0};
+        v8 acc[TG_MAX_M * 4];
+        for (int i = 0; i < M * U; i++) acc[i] = (v8){0};
         int64_t k = 0;
+        for (; k + 8 * U <= K; k += 8 * U) {
+            for (int u = 0; u < U; u++) {
+                const v8 wf = i8_to_f32(wr + k + 8 * u);
+                for (int m = 0; m < M; m++) acc[m * U + u] += wf * load8(x + m * K + k + 8 * u);
+            }
+        }
         for (; k + 8 <= K; k += 8) {
             const v8 wf = i8_to_f32(wr + k);
-            for (int m = 0; m < M; m++) acc[m] += wf * load8(x + m * K + k);
+            for (int m = 0; m < M; m++) acc[m * U] += wf * load8(x + m * K + k);
         }
         for (int m = 0; m < M; m++) {
-            float s = hsum8(acc[m]);
+            v8 t = acc[m * U];
+            for (int u = 1; u < U; u++) t += acc[m * U + u];
+            float s = hsum8(t);
             for (int64_t kk = k; kk < K; kk++) s += x[m * K + kk] * (float)wr[kk];
             y[m * ldy + n] = s * scale[n];
         }
@@ -248,27 +289,44 @@ static inline void gemv_int4_rows(const float *x, int M, int64_t K, const uint8_
     const int64_t ng = K / G, half = G / 2;
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *wr = w + n * (K / 2);
-        v8 acc[TG_MAX_M];
+        v8 acc[TG_MAX_M], acc2[TG_MAX_M];
         float lacc[TG_MAX_M];
         for (int m = 0; m < M; m++) {
-            acc[m] = (v8){0};
+            acc[m] = acc2[m] = (v8){0};
             lacc[m] = 0.f;
+        }
+        if (G == 32) { /* GGUF's block: 16 bytes at once, the scale folded into the weights */
+            for (int64_t g = 0; g < ng; g++) {
+                v8 q0, q1, q2, q3;
+                u4x32_to_f32(wr + g * 16, &q0, &q1, &q2, &q3);
+                const float s = half_to_float(scale[n * ng + g]), l = half_to_float(lo[n * ng + g]);
+                q0 *= s, q1 *= s, q2 *= s, q3 *= s;
+                for (int m = 0; m < M; m++) {
+                    const float *xg = x + m * K + g * 32;
+                    acc[m] += q0 * load8(xg) + q1 * load8(xg + 8);
+                    acc2[m] += q2 * load8(xg + 16) + q3 * load8(xg + 24);
+                    lacc[m] += l * xsum[m * ng + g];
+                }
+            }
+            for (int m = 0; m < M; m++) y[m * ldy + n] = hsum8(acc[m] + acc2[m]) + lacc[m];
+            continue;
         }
         for (int64_t g = 0; g < ng; g++) {
             const uint8_t *b = wr + g * half;
-            v8 part[TG_MAX_M];
-            for (int m = 0; m < M; m++) part[m] = (v8){0};
+            v8 pl[TG_MAX_M], ph[TG_MAX_M]; /* low and high nibbles: two FMA chains */
+            for (int m = 0; m < M; m++) pl[m] = ph[m] = (v8){0};
             for (int64_t j = 0; j < half; j += 8) {
                 v8 ql, qh;
                 u4_to_f32(b + j, &ql, &qh);
                 for (int m = 0; m < M; m++) {
                     const float *xg = x + m * K + g * G + j;
-                    part[m] += ql * load8(xg) + qh * load8(xg + half);
+                    pl[m] += ql * load8(xg);
+                    ph[m] += qh * load8(xg + half);
                 }
             }
             const float s = half_to_float(scale[n * ng + g]), l = half_to_float(lo[n * ng + g]);
             for (int m = 0; m < M; m++) {
-                acc[m] += s * part[m];
+                acc[m] += s * (pl[m] + ph[m]);
                 lacc[m] += l * xsum[m * ng + g];
             }
         }
@@ -352,4 +410,35 @@ void tg_dequant_int4(const uint8_t *w, const uint16_t *scale, const uint16_t *lo
             }
         }
 }
-int tg_abi_version(void) { return 2; }
+/* ---- small fused ops of a decode layer (one call instead of 5-7 torch ops) ---------- */
+
+/* out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w, rows of `dim` floats (contiguous). With
+ * `residual` non-NULL first residual[r] += x[r] and the sum is normalised (the decoder's
+ * `h = x + attn; norm(h)`). Same arithmetic order as transformers' float32 RMSNorm. */
+void tg_rms_norm(const float *x, float *residual, const float *w, float *out, int64_t rows, int64_t dim,
+                 float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *in = x + r * dim;
+        if (residual) {
+            float *res = residual + r * dim;
+            for (int64_t d = 0; d < dim; d++) res[d] += in[d];
+            in = res;
+        }
+        float ss = 0.f;
+        for (int64_t d = 0; d < dim; d++) ss += in[d] * in[d];
+        const float inv = 1.f / sqrtf(ss / (float)dim + eps);
+        float *o = out + r * dim;
+        for (int64_t d = 0; d < dim; d++) o[d] = w[d] * (in[d] * inv);
+    }
+}
+
+/* out[r, j] = silu(gu[r, j]) * gu[r, inter + j]: the fused gate/up projection's activation. */
+void tg_silu_mul(const float *gu, float *out, int64_t rows, int64_t inter) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gu + r * 2 * inter, *u = g + inter;
+        float *o = out + r * inter;
+        for (int64_t j = 0; j < inter; j++) o[j] = g[j] / (1.f + expf(-g[j])) * u[j];
+    }
+}
+
+int tg_abi_version(void) { return 3; }

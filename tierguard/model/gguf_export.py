@@ -6,7 +6,9 @@ converted here. `gguf` is an optional dependency, imported only when a conversio
 
 Scope: Llama / Mistral layouts without biases, q/k norms or RoPE scaling (the tiny
 model and most Llama checkpoints), byte-level BPE tokenizers (`tokenizer.json`),
-f32 or f16 weights. Anything else is refused with a message naming what is unsupported.
+f32, f16, or q8_0 / q4_0 / q4_1 weights (quantized with gguf's numpy quantizers; the
+benchmark against llama.cpp needs a Q8_0 file and llama.cpp's quantize tool is not
+installed). Anything else is refused with a message naming what is unsupported.
 
 Two layout facts the conversion relies on:
 - HF Llama checkpoints apply RoPE on two halves of each head (rotate_half), llama.cpp's
@@ -44,6 +46,9 @@ _GLOBAL_NAMES = {
     "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
 }
+EXPORT_DTYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
+_FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0", "q4_0": "MOSTLY_Q4_0", "q4_1": "MOSTLY_Q4_1"}
+_QUANT_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1"}
 # GGUF token types (gguf.TokenType): normal, control (special), user-defined (added).
 _NORMAL, _CONTROL, _USER_DEFINED, _UNUSED = 1, 3, 4, 5
 
@@ -85,8 +90,8 @@ def export_gguf(model_dir: str | Path, out_path: str | Path, dtype: str = "f32")
         import gguf
     except ImportError as exc:
         raise TierguardError("GGUF export needs the optional `gguf` package: pip install gguf") from exc
-    if dtype not in ("f32", "f16"):
-        raise TierguardError(f"GGUF dtype must be f32 or f16, got {dtype!r}")
+    if dtype not in EXPORT_DTYPES:
+        raise TierguardError(f"GGUF dtype must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}")
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     _check_supported(cfg)
@@ -109,7 +114,7 @@ def export_gguf(model_dir: str | Path, out_path: str | Path, dtype: str = "f32")
         writer.add_key_length(cfg.head_dim)
         writer.add_value_length(cfg.head_dim)
     writer.add_vocab_size(cfg.vocab_size)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_file_type(getattr(gguf.LlamaFileType, _FILE_TYPES[dtype]))
 
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre_tokenizer_name(_read_json(model_dir / "tokenizer.json")))
@@ -130,7 +135,13 @@ def export_gguf(model_dir: str | Path, out_path: str | Path, dtype: str = "f32")
 
     count = 0
     for name, array in _gguf_tensors(model_dir, cfg, dtype):
-        writer.add_tensor(name, array)
+        if dtype in _QUANT_TYPES and array.ndim > 1:
+            # llama.cpp's own quantize tool is not installed; gguf's numpy quantizers write
+            # the same block formats (2-D weights only, norms stay f32, as llama.cpp does).
+            qtype = getattr(gguf.GGMLQuantizationType, _QUANT_TYPES[dtype])
+            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, array)
         count += 1
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

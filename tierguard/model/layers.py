@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tierguard.common.errors import TierguardError
+from tierguard.model import native
 
 
 class RMSNorm(nn.Module):
@@ -24,7 +25,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         if dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # One op, same arithmetic as below for float32 (fewer ops per decode layer).
+            # One call instead of seven ops (the C kernel on the CPU), same arithmetic.
+            if native.fused_ok(x, self.weight):
+                return native.rms_norm(x, self.weight, self.eps)
             return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -112,5 +115,8 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if native.fused_ok(gate_up):
+            return self.down_proj(native.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)

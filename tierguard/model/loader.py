@@ -77,33 +77,34 @@ class _Checkpoint:
             raise TierguardError(f"checkpoint lacks tensor {name!r}")
         return self._where[name].get_tensor(name)
 
+    def read(self, names: list[str]) -> torch.Tensor:
+        """One tensor, or several stacked by rows (a fused weight)."""
+        return self.take(names[0]) if len(names) == 1 else torch.cat([self.take(n) for n in names])
 
-def _fused_tensors(ckpt: _Checkpoint, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """LlamaModel's tensors under its names (fused qkv and gate_up, no "model." prefix),
-    one at a time."""
-    take = ckpt.take
-    yield "norm.weight", take("model.norm.weight")
+
+def _fused_names(ckpt: _Checkpoint, cfg: ModelConfig) -> Iterator[tuple[str, list[str]]]:
+    """LlamaModel's tensor names (fused qkv and gate_up, no "model." prefix), each with
+    the checkpoint tensors it is made of."""
+    yield "norm.weight", ["model.norm.weight"]
     if not cfg.tie_word_embeddings:
-        name = "lm_head.weight" if "lm_head.weight" in ckpt else "model.embed_tokens.weight"
-        yield "lm_head.weight", take(name)
-    yield "embed_tokens.weight", take("model.embed_tokens.weight")
+        yield "lm_head.weight", ["lm_head.weight" if "lm_head.weight" in ckpt else "model.embed_tokens.weight"]
+    yield "embed_tokens.weight", ["model.embed_tokens.weight"]
     for i in range(cfg.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
-        att = src + "self_attn."
-        yield dst + "self_attn.qkv_proj.weight", torch.cat([take(att + f"{p}_proj.weight") for p in "qkv"])
+        att, mlp = src + "self_attn.", src + "mlp."
+        yield dst + "self_attn.qkv_proj.weight", [att + f"{p}_proj.weight" for p in "qkv"]
         if cfg.qkv_bias:
-            yield dst + "self_attn.qkv_proj.bias", torch.cat([take(att + f"{p}_proj.bias") for p in "qkv"])
-        yield dst + "self_attn.o_proj.weight", take(att + "o_proj.weight")
+            yield dst + "self_attn.qkv_proj.bias", [att + f"{p}_proj.bias" for p in "qkv"]
+        yield dst + "self_attn.o_proj.weight", [att + "o_proj.weight"]
         if cfg.o_bias:
-            yield dst + "self_attn.o_proj.bias", take(att + "o_proj.bias")
+            yield dst + "self_attn.o_proj.bias", [att + "o_proj.bias"]
         if cfg.qk_norm:
-            yield dst + "self_attn.q_norm.weight", take(att + "q_norm.weight")
-            yield dst + "self_attn.k_norm.weight", take(att + "k_norm.weight")
-        mlp = src + "mlp."
-        yield dst + "mlp.gate_up_proj.weight", torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
-        yield dst + "mlp.down_proj.weight", take(mlp + "down_proj.weight")
-        yield dst + "input_layernorm.weight", take(src + "input_layernorm.weight")
-        yield dst + "post_attention_layernorm.weight", take(src + "post_attention_layernorm.weight")
+            yield dst + "self_attn.q_norm.weight", [att + "q_norm.weight"]
+            yield dst + "self_attn.k_norm.weight", [att + "k_norm.weight"]
+        yield dst + "mlp.gate_up_proj.weight", [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
+        yield dst + "mlp.down_proj.weight", [mlp + "down_proj.weight"]
+        yield dst + "input_layernorm.weight", [src + "input_layernorm.weight"]
+        yield dst + "post_attention_layernorm.weight", [src + "post_attention_layernorm.weight"]
 
 
 def load_model(
@@ -112,10 +113,13 @@ def load_model(
     device: str = "auto",
     weight_dtype: str = "auto",
     int4_group: int = 32,
+    gguf_path: str | Path | None = None,
 ) -> tuple[LlamaModel, ModelConfig, torch.dtype, torch.device]:
     """The model on `device`, float weights in `dtype`; with `weight_dtype` int8 or int4
     the linear layers and the embedding are quantized tensor by tensor as they are read
-    (tierguard/model/quantize.py), so no float copy of the whole model is ever held."""
+    (tierguard/model/quantize.py), so no float copy of the whole model is ever held.
+    `gguf_path`: the GGUF file `model_dir` was imported from; int4 layers whose blocks
+    are Q4_0/Q4_1 are then taken from it as they are (tierguard/model/gguf_quant.py)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise TierguardError(f"model directory {model_dir} does not exist")
@@ -126,14 +130,20 @@ def load_model(
     dev = resolve_device(device)
     with torch.device("meta"):
         model = LlamaModel(cfg)
-    quant = WeightQuantizer(weight_dtype, int4_group, dev, torch_dtype) if weight_dtype != "auto" else None
+    quant = None
+    if weight_dtype != "auto":
+        quant = WeightQuantizer(weight_dtype, int4_group, dev, torch_dtype)
+        if gguf_path is not None and weight_dtype == "int4" and int4_group == 32:
+            from tierguard.model.gguf_quant import GGUFInt4
+
+            quant.source = GGUFInt4(gguf_path)
     ckpt = _Checkpoint(model_dir)
-    for name, tensor in _fused_tensors(ckpt, cfg):
+    for name, parts in _fused_names(ckpt, cfg):
         if quant is not None and quant.wants(name):
-            quant.place(model, name, tensor)
+            if not quant.place_from_source(model, name, parts):
+                quant.place(model, name, ckpt.read(parts))
         else:
-            set_tensor(model, name, tensor.to(device=dev, dtype=torch_dtype))
-        del tensor
+            set_tensor(model, name, ckpt.read(parts).to(device=dev, dtype=torch_dtype))
     finish_load(model, cfg, dev, quant)
     model.weight_dtype = weight_dtype
     return model, cfg, torch_dtype, dev

@@ -35,7 +35,7 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # on flush-to-zero for the whole process (Python floats included) when the library loads.
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c99"]
 LINK_FLAGS = ["-shared", "-fopenmp"]
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 
 class DecodeArgs(ctypes.Structure):
@@ -144,6 +144,10 @@ def library() -> ctypes.CDLL | None:
     lib.tg_dequant_int8.restype = None
     lib.tg_dequant_int4.argtypes = [p, p, p, i64, i64, i64, i64, p]
     lib.tg_dequant_int4.restype = None
+    lib.tg_rms_norm.argtypes = [p, p, p, p, i64, i64, ctypes.c_float]
+    lib.tg_rms_norm.restype = None
+    lib.tg_silu_mul.argtypes = [p, p, i64, i64]
+    lib.tg_silu_mul.restype = None
     return lib
 
 
@@ -262,3 +266,38 @@ def dequant_int4(
     k = q.shape[1] * 2
     library().tg_dequant_int4(q.data_ptr(), scale.data_ptr(), lo.data_ptr(), k, group, start, end, out.data_ptr())
     return out[: end - start]
+
+
+# -- fused small ops (float32, contiguous rows) ---------------------------------------------
+def fused_ok(*tensors: torch.Tensor) -> bool:
+    """Whether these tensors can go to the small fused kernels: float32, CPU, contiguous.
+    (Called per op on the decode path: kept to attribute reads.)"""
+    for t in tensors:
+        if t.dtype is not torch.float32 or not t.is_cpu or not t.is_contiguous():
+            return False
+    return library() is not None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm of x's rows; with `residual`, residual += x first (in place) and its rows
+    are normalised."""
+    dim = x.shape[-1]
+    out = torch.empty_like(x)
+    library().tg_rms_norm(
+        x.data_ptr(),
+        None if residual is None else residual.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        x.numel() // dim,
+        dim,
+        eps,
+    )
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a fused [rows, 2 * inter] projection."""
+    inter = gate_up.shape[-1] // 2
+    out = gate_up.new_empty(*gate_up.shape[:-1], inter)
+    library().tg_silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter)
+    return out

@@ -35,6 +35,7 @@ class WeightQuantizer:
         self.device = device
         self.dtype = dtype
         self.kinds: Counter[str] = Counter()  # what each tensor became
+        self.source = None  # gguf_quant.GGUFInt4: int4 layers from the file's blocks
 
     def wants(self, name: str) -> bool:
         module, _, attr = name.rpartition(".")
@@ -61,6 +62,18 @@ class WeightQuantizer:
         parent = model.get_submodule(parent_name) if parent_name else model
         old = getattr(parent, child)
         setattr(parent, child, self.linear(tensor, old.bias, head=module_name == "lm_head"))
+
+    def place_from_source(self, model: nn.Module, name: str, parts: list[str]) -> bool:
+        """An int4 layer made from the GGUF file's own blocks, when they are Q4_0/Q4_1
+        (True), else False: the caller reads the float tensor."""
+        module_name = name.rpartition(".")[0]
+        if self.source is None or module_name in ("embed_tokens", "lm_head") or not self.source.covers(parts):
+            return False
+        parent_name, _, child = module_name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, self.source.linear(parts, getattr(parent, child).bias).to(self.device))
+        self.kinds["int4 (GGUF blocks)"] += 1
+        return True
 
     def finish(self, model: nn.Module) -> None:
         log.info("weights quantized at load: %s", self.summary())

