@@ -120,3 +120,18 @@ def test_target_cpu_plans_tierguard_serve_in_ram():
 def test_target_cpu_refuses_what_tierguard_serve_cannot_do(kwargs, needle):
     with pytest.raises(TierguardError, match=needle):
         make_plan(PlanInputs(target="cpu", host_ram_gib=32, **kwargs))
+
+
+@pytest.mark.parametrize("dtype,ratio", [("int8", 0.26), ("int4", 0.2)])
+def test_target_cpu_counts_serves_quantized_weights(dtype, ratio):
+    """--weights-dtype int8/int4 with --target cpu: tierguard serve's own formats (int4
+    groups of 32 with float16 scale and min, the embedding int8), and the flag to pass."""
+    base = dict(model="Qwen/Qwen3-0.6B", target="cpu", host_ram_gib=32, contexts=[8192], concurrency=4)
+    fp = make_plan(PlanInputs(weights_dtype="fp32", **base))
+    q = make_plan(PlanInputs(weights_dtype=dtype, **base))
+    assert q["weights_bytes"] < ratio * fp["weights_bytes"]
+    assert q["weights_bytes"] > 0.15 * fp["weights_bytes"]
+    flags = q["flags"]["tierguard"]
+    assert flags[flags.index("--weight-dtype") + 1] == dtype
+    assert "--weight-dtype" not in fp["flags"]["tierguard"]
+    assert q["gpu"]["kv_available_bytes_per_gpu"] > fp["gpu"]["kv_available_bytes_per_gpu"]  # the bytes saved

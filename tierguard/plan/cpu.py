@@ -1,7 +1,7 @@
 """`--target cpu`: plan `tierguard serve` on this machine, with host RAM in the GPU's place.
 
     RAM total ──┬── OS + services / page cache / bursts  (plan/host.py reserves)
-                └── usable ──┬── weights (loaded as float: fp32, bf16 or fp16)
+                └── usable ──┬── weights (fp32, bf16 or fp16; or int8/int4 quantized at load)
                              ├── activation peak (one step of max_num_batched_tokens)
                              ├── fragmentation reserve (2%)
                              └── KV pool  -> `tierguard serve --device cpu --kv-cache-gib`
@@ -23,11 +23,28 @@ CPU_MAX_NUM_SEQS = 128  # and its default sequence limit (engine/config.py)
 FLOAT_WEIGHTS = ("fp32", "bf16", "fp16")
 
 
+# `tierguard serve --weight-dtype` (tierguard/model/qlinear.py): bytes per parameter of a
+# linear layer and of the embedding (int8 per output channel with a float32 scale, about
+# 1 + 4/1024 for hidden sizes near 1k; int4 in groups of 32 with a float16 scale and min;
+# with int4 the embedding and lm_head stay int8).
+SERVE_WEIGHTS = {"int8": (1.0 + 4 / 1024, 1.0 + 4 / 1024), "int4": (0.5 + 4 / 32, 1.0 + 4 / 1024)}
+
+
 def check_cpu_weights(wfmt: WeightFormat) -> None:
-    if wfmt.name not in FLOAT_WEIGHTS:
+    if wfmt.name not in FLOAT_WEIGHTS and wfmt.name not in SERVE_WEIGHTS:
         raise TierguardError(
-            f"--target cpu: tierguard serve loads float32, bfloat16 or float16 weights, not {wfmt.name}"
+            f"--target cpu: tierguard serve loads float32, bfloat16 or float16 weights, or quantizes "
+            f"them to int8 or int4 at load; not {wfmt.name}"
         )
+
+
+def cpu_weight_format(wfmt: WeightFormat) -> WeightFormat:
+    """The bytes tierguard serve's own int8/int4 take (not the AWQ/GPTQ-style defaults)."""
+    check_cpu_weights(wfmt)
+    if wfmt.name not in SERVE_WEIGHTS:
+        return wfmt
+    linear, embed = SERVE_WEIGHTS[wfmt.name]
+    return WeightFormat(wfmt.name, linear, embed)
 
 
 def ram_decompose(

@@ -37,6 +37,7 @@ class FlagFacts:
     kv_pool_per_gpu_bytes: int
     gpu_total_bytes: int
     kv_disk_bytes: int = 0
+    weight_dtype: str = "auto"  # tierguard serve --weight-dtype (int8/int4 quantized at load)
 
 
 def _up(b: int, step: float = 0.1) -> str:
@@ -145,6 +146,8 @@ def tierguard_flags(f: FlagFacts) -> list[str]:
         out += ["--kv-disk-dir", "/var/lib/tierguard/kv", "--kv-disk-gib", _down(f.kv_disk_bytes)]
     if f.weights_offload_per_gpu_bytes:
         out += ["--weights-offload-gib", _up(f.weights_offload_per_gpu_bytes)]
+    if f.weight_dtype != "auto":
+        out += ["--weight-dtype", f.weight_dtype]
     return out
 
 

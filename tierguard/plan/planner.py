@@ -14,7 +14,13 @@ from tierguard.common.errors import TierguardError
 from tierguard.common.units import GIB
 from tierguard.plan.catalogue import load_model
 from tierguard.plan.config import ModelSpec
-from tierguard.plan.cpu import CPU_BATCHED_TOKENS, CPU_MAX_NUM_SEQS, check_cpu_weights, ram_decompose
+from tierguard.plan.cpu import (
+    CPU_BATCHED_TOKENS,
+    CPU_MAX_NUM_SEQS,
+    SERVE_WEIGHTS,
+    cpu_weight_format,
+    ram_decompose,
+)
 from tierguard.plan.dtypes import kv_format, weight_format
 from tierguard.plan.fit import activation_bytes, fitted
 from tierguard.plan.flags import FlagFacts, all_flags, tierguard_flags, tp_trap
@@ -89,10 +95,10 @@ def make_plan(p: PlanInputs) -> dict:
     if fmt.name == "fp8_ds_mla" and spec.mla is None:
         raise TierguardError("--kv-dtype fp8_ds_mla applies only to MLA models (DeepSeek-V2/V3)")
     wfmt = weight_format(p.weights_dtype, spec.torch_dtype, spec.quantization)
-    w = estimate_weights(spec, wfmt, p.tp, p.pp)
     cpu = p.target == "cpu"
     if cpu:
-        check_cpu_weights(wfmt)
+        wfmt = cpu_weight_format(wfmt)  # tierguard serve's own int8/int4 bytes
+    w = estimate_weights(spec, wfmt, p.tp, p.pp)
     counting = not cpu and p.gpu is None and p.gpu_mem_gib is None
     gpu = None if cpu or counting else find_gpu(p.gpu, p.gpu_mem_gib)
     mnbt, mns, batching_why = _batching(p, rules, gpu, mml)
@@ -167,7 +173,8 @@ def make_plan(p: PlanInputs) -> dict:
             "batching": batching_why,
             "reserves": {k: v for k, v in asdict(reserves).items() if k != "band"},
         }
-    act_bytes = activation_bytes(wfmt.name)
+    # tierguard serve computes in float32 around its int8/int4 matmuls
+    act_bytes = 4 if cpu and wfmt.name in SERVE_WEIGHTS else activation_bytes(wfmt.name)
     if cpu:
         dec = ram_decompose(host, spec, w.per_gpu_bytes, mnbt, mns, act_bytes)
     else:
@@ -237,6 +244,7 @@ def make_plan(p: PlanInputs) -> dict:
         kv_pool_per_gpu_bytes=_pool(state, cpu),
         gpu_total_bytes=dec.total_bytes,
         kv_disk_bytes=host.kv_disk_budget_bytes,
+        weight_dtype=wfmt.name if cpu and wfmt.name in SERVE_WEIGHTS else "auto",
     )
     warnings = list(host.warnings)
     if p.engine_version is not None and rules is None:
