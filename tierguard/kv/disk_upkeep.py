@@ -10,7 +10,8 @@ Two jobs, both optional, both counted in /metrics:
   keeps its clock.
 
 `DiskUpkeep` is a mixin of `DiskTier` (disk_tier.py), split out to keep one concern per
-file; it works on the tier's index under the tier's lock.
+file; it works on the tier's index under the tier's lock (`self` is the DiskTier; not
+imported here, which would be an import cycle).
 """
 
 from __future__ import annotations
@@ -21,12 +22,9 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any
 
 from tierguard.kv import disk_format as fmt
-
-if TYPE_CHECKING:
-    from tierguard.kv.disk_tier import DiskTier
 
 log = logging.getLogger("tierguard.kv.disk")
 
@@ -64,11 +62,11 @@ def sweep_interval(ttl_s: float, given: float | None) -> float:
 class DiskUpkeep:
     """TTL expiry and resealing for `DiskTier` (see the module docstring)."""
 
-    def housekeep(self: DiskTier) -> None:
+    def housekeep(self: Any) -> None:
         self.expire()
         self.reseal()
 
-    def expire(self: DiskTier, now: float | None = None) -> int:
+    def expire(self: Any, now: float | None = None) -> int:
         """Remove blocks not written or read for `ttl_s` seconds; returns how many."""
         if self.ttl_s <= 0 or self._dir_fd is None:
             return 0
@@ -83,7 +81,7 @@ class DiskUpkeep:
             self._unlink(fmt.block_name(h))
         return len(victims)
 
-    def reseal(self: DiskTier, limit: int = 64) -> int:
+    def reseal(self: Any, limit: int = 64) -> int:
         """Rewrite up to `limit` blocks sealed with an old key under the current one (read,
         open with the old key, seal, atomic replace); returns how many were resealed."""
         with self._lock:
