@@ -101,7 +101,7 @@ MUTANTS = [
     Mutant(
         "at rest: blocks written unencrypted",
         "tierguard/kv/aead_codec.py",
-        "return memoryview(self.ring.seal(payload, aad))",
+        "self.ring.seal_into(payload, aad, out)\n        return out",
         "return payload",
         ("tests/kv/test_kv_at_rest.py::test_blocks_are_sealed_no_plaintext_run_reaches_the_file",),
     ),
