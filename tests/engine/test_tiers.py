@@ -85,15 +85,15 @@ def test_prefix_reload_from_disk_after_restart(tiny_dir, tmp_path):
     spy = GuardSpy(second)
     try:
         assert run(second, PROMPTS[:1], short) == reference
+        # Every step scheduled and ran under the decode guard, and the disk was read only
+        # on the transfer worker's threads (a counter of refused reads cannot show either).
+        spy.assert_contract(read_media=("disk",))
         x = extra(second)
         assert x["kv_disk_hits"] > 0 and x["kv_blocks_loaded_from_disk"] > 0
         # bench/prefix_restart.py reads these names (its run is invalid without disk hits)
         assert {"kv_persisted_blocks", "kv_tier_recomputes"} <= x.keys()
     finally:
         second.close()
-    # Every step scheduled and ran under the decode guard, and the disk was read only on
-    # the transfer worker's threads (a counter of refused reads cannot show either).
-    spy.assert_contract(read_media=("disk",))
 
 
 def test_decode_path_cannot_read_disk(tiny_dir, reference, tmp_path):
