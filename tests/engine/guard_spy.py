@@ -35,7 +35,10 @@ class GuardSpy:
         self.calls: dict[str, list[Call]] = defaultdict(list)
         points = [("schedule", engine.scheduler, "schedule"), ("run", engine.runner, "run"),
                   ("poll", engine.connector, "poll")]  # fmt: skip
-        points += [(f"{name}.read_many", m, "read_many") for name, m in getattr(engine.connector, "media", {}).items()]
+        points += [
+            (f"{name}.read_many", m, "read_many")
+            for name, m in getattr(engine.connector, "media", {}).items()
+        ]
         for name, obj, attr in [*points, *extra]:
             self._wrap(name, obj, attr)
 

@@ -90,7 +90,8 @@ def test_serve_flags_reach_the_disk_tier(tiny_dir, tmp_path, keys):
     add_tier_flags(p)
     args = p.parse_args(
         ["--kv-host-gib", "0.01", "--kv-disk-dir", str(tmp_path), "--kv-disk-gib", "0.01",
-         "--kv-encrypt-key-file", keys["B"], "--kv-encrypt-old-key-file", keys["A"], "--kv-disk-ttl-s", "3600"]
+         "--kv-encrypt-key-file", keys["B"], "--kv-encrypt-old-key-file", keys["A"],
+         "--kv-disk-ttl-s", "3600"]
     )  # fmt: skip
     engine = build_engine(tiny_dir, dtype="float32", device="cpu", kv_cache_gib=0.01, max_model_len=128,
                           block_size=4, **tier_kwargs(args))  # fmt: skip

@@ -68,7 +68,9 @@ def test_blocks_are_sealed_no_plaintext_run_reaches_the_file(tmp_path, keys):
         assert (header.codec, header.key_id) == (1, header_key_id(codec.ring.current))
         assert len(raw) == fmt.HEADER_LEN + N + 40  # envelope: magic, key id, nonce, tag
         assert not shares_a_run(bytes(d.numpy()), raw)
-        assert shares_a_run(bytes(d.numpy()), path_of(tmp_path / "plain", h).read_bytes())  # the check can fail
+        assert shares_a_run(
+            bytes(d.numpy()), path_of(tmp_path / "plain", h).read_bytes()
+        )  # the check can fail
         assert enc.read(h) == bytes(d.numpy())
     assert os.stat(path_of(tmp_path / "enc", 0)).st_mode & 0o777 == 0o600
 

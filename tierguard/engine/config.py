@@ -75,11 +75,17 @@ class EngineConfig:
         if self.naive_sync_disk and not (self.kv_disk_dir and self.kv_disk_gib > 0):
             raise TierguardError("--kv-naive-sync-disk needs a disk tier (--kv-disk-dir and --kv-disk-gib)")
         if self.naive_sync_disk and self.kv_encrypt_key_file:
-            raise TierguardError("--kv-naive-sync-disk (a benchmark mode) spills unencrypted; drop --kv-encrypt-key-file")
+            raise TierguardError(
+                "--kv-naive-sync-disk (a benchmark mode) spills unencrypted; drop --kv-encrypt-key-file"
+            )
         if self.kv_encrypt_old_key_file and not self.kv_encrypt_key_file:
-            raise TierguardError("--kv-encrypt-old-key-file needs --kv-encrypt-key-file (the key new blocks are sealed with)")
+            raise TierguardError(
+                "--kv-encrypt-old-key-file needs --kv-encrypt-key-file (the key new blocks are sealed with)"
+            )
         if not (isinstance(self.kv_disk_ttl_s, int | float) and 0 <= self.kv_disk_ttl_s < float("inf")):
-            raise TierguardError(f"--kv-disk-ttl-s must be a non-negative number of seconds, got {self.kv_disk_ttl_s!r}")
+            raise TierguardError(
+                f"--kv-disk-ttl-s must be a non-negative number of seconds, got {self.kv_disk_ttl_s!r}"
+            )
         if self.kv_disk_ttl_s > 0 and not (self.kv_disk_dir and self.kv_disk_gib > 0):
             raise TierguardError("--kv-disk-ttl-s needs a disk tier (--kv-disk-dir and --kv-disk-gib)")
 

@@ -50,7 +50,9 @@ class PurgeReport:
             what += f" and {self.leftovers} temporary files"
         rest = [f"kept {self.kept} used within {older_than}"] if older_than else []
         if self.left_alone:
-            rest.append(f"left {self.left_alone} other {'entry' if self.left_alone == 1 else 'entries'} alone")
+            rest.append(
+                f"left {self.left_alone} other {'entry' if self.left_alone == 1 else 'entries'} alone"
+            )
         return f"{what} from {self.directory}" + (f"; {', '.join(rest)}" if rest else "")
 
 

@@ -98,9 +98,13 @@ def _at_rest_kwargs(args: argparse.Namespace, has_disk: bool, naive: bool) -> di
     old = getattr(args, "kv_encrypt_old_key_file", None)
     ttl = getattr(args, "kv_disk_ttl_s", 0.0) or 0.0
     if old is not None and key is None:
-        raise TierguardError("--kv-encrypt-old-key-file needs --kv-encrypt-key-file (the key new blocks are sealed with)")
+        raise TierguardError(
+            "--kv-encrypt-old-key-file needs --kv-encrypt-key-file (the key new blocks are sealed with)"
+        )
     if key is not None and naive:
-        raise TierguardError("--kv-naive-sync-disk (a benchmark mode) spills unencrypted; drop --kv-encrypt-key-file")
+        raise TierguardError(
+            "--kv-naive-sync-disk (a benchmark mode) spills unencrypted; drop --kv-encrypt-key-file"
+        )
     if key is not None:
         from tierguard.common.crypto import Key
 
@@ -136,4 +140,5 @@ def describe_at_rest(args: argparse.Namespace) -> tuple[int, str] | None:
         )
     from tierguard.common.crypto import Key
 
-    return logging.INFO, f"KV blocks in {args.kv_disk_dir}: AES-256-GCM, key {Key.from_file(key).id_hex} ({kept})"
+    key_id = Key.from_file(key).id_hex
+    return logging.INFO, f"KV blocks in {args.kv_disk_dir}: AES-256-GCM, key {key_id} ({kept})"
