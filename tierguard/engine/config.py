@@ -27,6 +27,11 @@ class EngineConfig:
     ttft_budget_ms: dict[str, float] | None = None  # per request class; None: the contract's defaults
     naive_sync_disk: bool = False  # benchmark only: spill running sequences to disk, read back in-step
     kv_dtype: str = "auto"  # device KV pool: auto (model dtype), fp8 or int8 (+ per-token-head scales)
+    # Cold KV at rest (tierguard/kv/aead_codec.py): AES-256-GCM key files for every cold
+    # medium, the old key of a rotation, and the disk tier's time to live (0: none).
+    kv_encrypt_key_file: str | None = None
+    kv_encrypt_old_key_file: str | None = None
+    kv_disk_ttl_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kv_dtype not in ("auto", "fp8", "int8"):
@@ -50,6 +55,8 @@ class EngineConfig:
         media: dict[str, dict[str, Any]] = {}
         if self.kv_disk_dir is not None and self.kv_disk_gib > 0:
             media["disk"] = {"dir": self.kv_disk_dir, "capacity_bytes": int(self.kv_disk_gib * GIB)}
+            if self.kv_disk_ttl_s > 0:
+                media["disk"]["ttl_s"] = self.kv_disk_ttl_s
         media.update(self.kv_media)
         return media
 
@@ -67,6 +74,20 @@ class EngineConfig:
             raise TierguardError("--kv-disk-dir needs a positive --kv-disk-gib")
         if self.naive_sync_disk and not (self.kv_disk_dir and self.kv_disk_gib > 0):
             raise TierguardError("--kv-naive-sync-disk needs a disk tier (--kv-disk-dir and --kv-disk-gib)")
+        if self.naive_sync_disk and self.kv_encrypt_key_file:
+            raise TierguardError(
+                "--kv-naive-sync-disk (a benchmark mode) spills unencrypted; drop --kv-encrypt-key-file"
+            )
+        if self.kv_encrypt_old_key_file and not self.kv_encrypt_key_file:
+            raise TierguardError(
+                "--kv-encrypt-old-key-file needs --kv-encrypt-key-file (the key new blocks are sealed with)"
+            )
+        if not (isinstance(self.kv_disk_ttl_s, int | float) and 0 <= self.kv_disk_ttl_s < float("inf")):
+            raise TierguardError(
+                f"--kv-disk-ttl-s must be a non-negative number of seconds, got {self.kv_disk_ttl_s!r}"
+            )
+        if self.kv_disk_ttl_s > 0 and not (self.kv_disk_dir and self.kv_disk_gib > 0):
+            raise TierguardError("--kv-disk-ttl-s needs a disk tier (--kv-disk-dir and --kv-disk-gib)")
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -100,6 +100,9 @@ def build_engine(
     num_threads: int | None = None,
     kv_dtype: str = "auto",
     weights_offload_gib: float | None = None,
+    kv_encrypt_key_file: str | None = None,
+    kv_encrypt_old_key_file: str | None = None,
+    kv_disk_ttl_s: float = 0.0,
 ) -> LLMEngine:
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)  # fail fast on a bad directory, before loading weights
@@ -151,6 +154,9 @@ def build_engine(
         ttft_budget_ms=ttft_budget_ms,
         naive_sync_disk=naive_sync_disk,
         kv_dtype=kv_dtype,
+        kv_encrypt_key_file=kv_encrypt_key_file,  # cold KV at rest: tierguard/kv/aead_codec.py
+        kv_encrypt_old_key_file=kv_encrypt_old_key_file,
+        kv_disk_ttl_s=kv_disk_ttl_s,
     )
     return LLMEngine(
         model,
