@@ -10,8 +10,10 @@ Read: both measured twice. "cold": each file's pages are dropped first with
 posix_fadvise(DONTNEED) (works without root for clean pages; a device or hypervisor cache
 below the page cache may still help). "warm": read again straight after, from page cache.
 Prints one JSON object; the goal is tier/dd >= 0.8 for write and cold read.
+`--encrypt` adds, in every round, the same tier passes with the AES-256-GCM codec of
+`--kv-encrypt-key-file` (`tier_enc_*`), and `enc_to_plain_*`: what encryption costs.
 
-    python bench/disk_tier_throughput.py --dir /path/on/nvme --mib 512 --block-kib 2048
+    python bench/disk_tier_throughput.py --dir /path/on/nvme --mib 512 --block-kib 2048 [--encrypt]
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tierguard.kv import block_format as blk  # noqa: E402
 from tierguard.kv import disk_format as fmt  # noqa: E402
+from tierguard.kv.aead_codec import AesGcmCodec  # noqa: E402
 from tierguard.kv.disk_tier import DiskTier  # noqa: E402
 
 FP = "b0b0b0b0b0b0b0b0"
@@ -73,10 +77,12 @@ def run_dd_once(src: str, dd_file: str, block_bytes: int, nbytes: int) -> dict:
     return out
 
 
-def run_tier_once(root: str, items: list, block_bytes: int, threads: int, batch: int, ahead: int) -> dict:
+def run_tier_once(
+    root: str, items: list, block_bytes: int, threads: int, batch: int, ahead: int, codec=blk.IDENTITY
+) -> dict:
     n, nbytes = len(items), len(items) * block_bytes
     out: dict = {}
-    tier = DiskTier(os.path.join(root, "tier"), FP, nbytes * 2)
+    tier = DiskTier(os.path.join(root, "tier"), FP, nbytes * 3, codec=codec)
     pool = ThreadPoolExecutor(max_workers=threads)
 
     def write_all() -> None:
@@ -101,7 +107,7 @@ def run_tier_once(root: str, items: list, block_bytes: int, threads: int, batch:
     out["tier_read_cold_gbps"] = nbytes / timed(read_all) / GB
     out["tier_read_warm_gbps"] = nbytes / timed(read_all) / GB
     pool.shutdown()
-    out["tier_checksum_failures"] = tier.stats().corrupt
+    out["tier_checksum_failures"] = tier.stats().corrupt + tier.stats().undecodable
     tier.close()
     shutil.rmtree(os.path.join(root, "tier"), ignore_errors=True)
     return out
@@ -116,6 +122,7 @@ def bench(
     ahead: int,
     src_dir: str,
     tier_first: bool,
+    codec: AesGcmCodec | None = None,
 ) -> dict:
     n = max(1, total_bytes // block_bytes)
     nbytes = n * block_bytes
@@ -138,24 +145,29 @@ def bench(
                 f.write(p.numpy().tobytes())
         # Alternate who goes first between rounds: the disk's own state (writeback of other
         # processes' data, thin-provisioning) drifts within a round.
-        if tier_first:
-            out.update(run_tier_once(root, items, block_bytes, threads, batch, ahead))
+        # Encrypted and plain tier passes swap places between rounds too.
+        tiers = [("tier", blk.IDENTITY)] + ([("tier_enc", codec)] if codec else [])
+        for label, c in tiers if tier_first else tiers[::-1]:
+            got = run_tier_once(root, items, block_bytes, threads, batch, ahead, c)
+            out.update({k.replace("tier", label, 1): v for k, v in got.items()})
         out.update(run_dd_once(src, os.path.join(root, "dd.bin"), block_bytes, nbytes))
-        if not tier_first:
-            out.update(run_tier_once(root, items, block_bytes, threads, batch, ahead))
     finally:
         os.unlink(src)
     for kind in ("write", "read_cold", "read_warm"):
         out[f"ratio_{kind}"] = out[f"tier_{kind}_gbps"] / out[f"dd_{kind}_gbps"]
+        if codec:
+            out[f"enc_to_plain_{kind}"] = out[f"tier_enc_{kind}_gbps"] / out[f"tier_{kind}_gbps"]
     out["goal_ratio"] = 0.8
     return out
 
 
 def summarize(rounds: list[dict]) -> dict:
     """Median of each rate and ratio over the rounds; the per-round values stay in `rounds`."""
-    keys = [k for k in rounds[0] if k.endswith("_gbps") or k.startswith("ratio_")]
+    keys = [k for k in rounds[0] if k.endswith("_gbps") or k.startswith(("ratio_", "enc_to_plain_"))]
     out = {k: v for k, v in rounds[0].items() if k not in keys}
-    out["tier_checksum_failures"] = sum(r["tier_checksum_failures"] for r in rounds)
+    for k in ("tier_checksum_failures", "tier_enc_checksum_failures"):
+        if k in rounds[0]:
+            out[k] = sum(r[k] for r in rounds)
     for k in keys:
         out[k] = round(statistics.median(r[k] for r in rounds), 3)
     out["meets_goal"] = out["ratio_write"] >= 0.8 and out["ratio_read_cold"] >= 0.8
@@ -178,6 +190,7 @@ def main() -> int:
     )
     p.add_argument("--ahead", type=int, default=4, help="files prefetched ahead of the one being read")
     p.add_argument("--repeat", type=int, default=3, help="rounds; medians are reported, every round is kept")
+    p.add_argument("--encrypt", action="store_true", help="also measure the tier with AES-256-GCM blocks")
     args = p.parse_args()
     if min(args.mib, args.block_kib, args.threads, args.batch, args.repeat) <= 0 or args.ahead < 0:
         print("error: --mib, --block-kib, --threads, --batch and --repeat must be positive", file=sys.stderr)
@@ -186,6 +199,12 @@ def main() -> int:
     os.makedirs(parent, exist_ok=True)
     root = tempfile.mkdtemp(prefix="tierguard-disk-bench-", dir=parent)
     try:
+        codec = None
+        if args.encrypt:
+            key = os.path.join(root, "key")
+            with open(os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+                f.write(os.urandom(32))
+            codec = AesGcmCodec.from_files(key)
         src_dir = "/dev/shm" if os.path.isdir("/dev/shm") else parent
         rounds = []
         for i in range(args.repeat):
@@ -201,6 +220,7 @@ def main() -> int:
                     args.ahead,
                     src_dir,
                     i % 2 == 1,
+                    codec,
                 )
             )
             shutil.rmtree(sub, ignore_errors=True)

@@ -6,12 +6,19 @@
    appended: the prefix is staged from the disk tier (disk hits counted in /metrics).
 3. A server without tiers gets the same requests: the prefix is recomputed.
 
-Same model, flags, warm-up and requests in 2 and 3; the servers run one after another.
-Prints JSON: TTFT per request, their medians, the ratio, and the disk-tier counters.
-"valid": false (and the ratio null) when a request failed, the first server did not
-persist the prefixes, or the restarted server counted no disk hit (nothing came from disk).
+With `--encrypt` (cold KV at rest, AES-256-GCM), in the same run and after 2: steps 1
+and 2 again with `--kv-encrypt-key-file A` on a fresh directory (what encryption costs
+in prefix-load TTFT, against the unencrypted load of this run), then a server with key B
+(each block a counted undecodable miss: recomputed, same output) and one with key A again
+(disk hits: the key-B server destroyed nothing).
 
-    .venv/bin/python bench/prefix_restart.py [--prefix-tokens 1536] [--prefixes 3]
+Same model, flags, warm-up and requests in every server; they run one after another.
+Prints JSON: TTFT per request, their medians, the ratios, and the disk-tier counters.
+"valid": false (and the ratios null) when a request failed, a first server did not
+persist the prefixes, a restarted server counted no disk hit, an output differs from
+the recomputed one, or (with --encrypt) key B was not a counted miss.
+
+    .venv/bin/python bench/prefix_restart.py [--prefix-tokens 1536] [--prefixes 3] [--encrypt]
 """
 
 from __future__ import annotations
@@ -43,6 +50,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--disk-dir", default=None, help="NVMe tier dir (default: a temp dir)")
     p.add_argument(
+        "--encrypt",
+        action="store_true",
+        help="also measure the encrypted disk tier, and a restart with a wrong key then the right one",
+    )
+    p.add_argument(
         "--warm-page-cache",
         dest="cold",
         action="store_false",
@@ -66,6 +78,7 @@ async def _ask(url: str, prompts: list[list[int]], a: argparse.Namespace, wait_p
             counters = await scrape(session, url)
     return {
         "ttft_ms": [ms(s.ttft_s) for s in streams],
+        "texts": [s.text for s in streams],
         "errors": [s.error or f"{s.name}: no token" for s in streams if s.error or not s.events],
         "counters": counters,
     }
@@ -88,7 +101,8 @@ def drop_page_cache(root: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    disk = Path(a.disk_dir or tempfile.mkdtemp(prefix="prefix_restart_"))
+    work = Path(tempfile.mkdtemp(prefix="prefix_restart_"))
+    disk = Path(a.disk_dir) if a.disk_dir else work / "kv"
     env = {"TIERGUARD_NUM_THREADS": a.threads}
     base = [
         "--device",
@@ -100,50 +114,111 @@ def main(argv: list[str] | None = None) -> int:
         "--max-num-batched-tokens",
         "512",
     ]
-    tiers = ["--kv-host-gib", "0.05", "--kv-disk-dir", str(disk), "--kv-disk-gib", "0.5"]
     prefixes = [token_prompt(300 + i, a.prefix_tokens) for i in range(a.prefixes)]
     first = [p + token_prompt(400 + i, a.question_tokens) for i, p in enumerate(prefixes)]
     again = [p + token_prompt(500 + i, a.question_tokens) for i, p in enumerate(prefixes)]
     blocks = a.prefixes * (a.prefix_tokens // 16)
+    runs: dict[str, dict] = {}
+
+    def tiers(root: Path, key: Path | None = None) -> list[str]:
+        flags = ["--kv-host-gib", "0.05", "--kv-disk-dir", str(root), "--kv-disk-gib", "0.5"]
+        return base + flags + (["--kv-encrypt-key-file", str(key)] if key else [])
+
+    def restart(name: str, flags: list[str], root: Path) -> None:
+        dropped = drop_page_cache(root) if a.cold else 0
+        with serve(f"prefix_restart_{name}", flags, env) as url:
+            runs[name] = asyncio.run(_ask(url, again, a))
+        runs[name]["page_cache_evicted_files"] = dropped
+
     try:
-        with serve("prefix_restart_save", base + tiers, env) as url:
-            saved = asyncio.run(_ask(url, first, a, wait_persisted=blocks))
-        dropped = drop_page_cache(disk) if a.cold else 0
-        with serve("prefix_restart_disk", base + tiers, env) as url:
-            from_disk = asyncio.run(_ask(url, again, a))
+        with serve("prefix_restart_save", tiers(disk), env) as url:
+            runs["save"] = asyncio.run(_ask(url, first, a, wait_persisted=blocks))
+        restart("disk", tiers(disk), disk)
+        if a.encrypt:
+            enc, key_a, key_b = work / "kv-encrypted", _key(work, "A"), _key(work, "B")
+            with serve("prefix_restart_save_encrypted", tiers(enc, key_a), env) as url:
+                runs["save_encrypted"] = asyncio.run(_ask(url, first, a, wait_persisted=blocks))
+            restart("disk_encrypted", tiers(enc, key_a), enc)
+            restart("wrong_key", tiers(enc, key_b), enc)
+            restart("key_a_again", tiers(enc, key_a), enc)
         with serve("prefix_restart_recompute", base, env) as url:
-            recompute = asyncio.run(_ask(url, again, a))
+            runs["recompute"] = asyncio.run(_ask(url, again, a))
     finally:
-        if a.disk_dir is None:
-            shutil.rmtree(disk, ignore_errors=True)
-    keys = ("kv_disk_hits", "kv_blocks_loaded_from_disk", "kv_persisted_blocks", "kv_tier_recomputes")
-    errors = saved["errors"] + from_disk["errors"] + recompute["errors"]
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(report(a, runs, blocks), indent=2))
+    return 0
+
+
+KEYS = ("kv_disk_hits", "kv_blocks_loaded_from_disk", "kv_persisted_blocks", "kv_tier_recomputes",
+        "kv_disk_undecodable", "kv_stage_failures")  # fmt: skip
+
+
+def report(a: argparse.Namespace, runs: dict[str, dict], blocks: int) -> dict:
+    """The JSON: medians, ratios and counters per server, and whether the run is valid."""
     v = Validity()
+    errors = [e for r in runs.values() for e in r["errors"]]
     v.require(not errors, count_errors(errors))
-    persisted = saved["counters"].get("kv_persisted_blocks") or 0
-    v.require(persisted >= blocks, f"the first server persisted {persisted:g} of {blocks} prefix blocks")
-    hits = from_disk["counters"].get("kv_disk_hits") or 0
-    v.require(hits > 0, "no disk hit counted after the restart: the prefixes were not loaded from disk")
-    disk_med = _median(from_disk["ttft_ms"])
-    rec_med = _median(recompute["ttft_ms"])
+    truth = runs["recompute"]["texts"]
+
+    def counter(name: str, key: str) -> float:
+        return runs[name]["counters"].get(key) or 0
+
+    for save in ("save", "save_encrypted"):
+        if save in runs:
+            got = counter(save, "kv_persisted_blocks")
+            v.require(got >= blocks, f"the {save} server persisted {got:g} of {blocks} prefix blocks")
+    for name in ("disk", "disk_encrypted", "key_a_again"):
+        if name in runs:
+            v.require(counter(name, "kv_disk_hits") > 0, f"{name}: no disk hit counted after the restart")
+    for name, r in runs.items():
+        if name not in ("save", "save_encrypted", "recompute"):
+            v.require(r["texts"] == truth, f"{name}: output differs from the recomputed one")
+    if "wrong_key" in runs:
+        v.require(counter("wrong_key", "kv_disk_undecodable") > 0, "key B: no undecodable block counted")
+        v.require(counter("wrong_key", "kv_disk_hits") == 0, "key B: a disk hit with the wrong key")
+        v.require(counter("key_a_again", "kv_disk_undecodable") == 0, "key A again: undecodable blocks")
+
+    def phase(name: str) -> dict:
+        r = runs[name]
+        return {"ttft_ms": r["ttft_ms"], "median_ttft_ms": _median(r["ttft_ms"]),
+                "page_cache_evicted_files": r.get("page_cache_evicted_files", 0),
+                "counters": {k: r["counters"].get(k) for k in KEYS}}  # fmt: skip
+
+    def ratio(num: str, den: str) -> float | None:
+        n, d = _median(runs[num]["ttft_ms"]), _median(runs[den]["ttft_ms"])
+        return round(n / d, 3) if v.valid and n and d else None
+
     out = {
         "prefix_tokens": a.prefix_tokens,
         "prefixes": a.prefixes,
-        "page_cache_evicted_files": dropped,
-        "saved_first_run": {"ttft_ms": saved["ttft_ms"], "persisted_blocks": saved["counters"].get(keys[2])},
-        "after_restart_from_disk": {
-            "ttft_ms": from_disk["ttft_ms"],
-            "median_ttft_ms": disk_med,
-            "counters": {k: from_disk["counters"].get(k) for k in keys},
-        },
-        "recompute_no_tiers": {"ttft_ms": recompute["ttft_ms"], "median_ttft_ms": rec_med},
-        "ttft_ratio_disk_to_recompute": round(disk_med / rec_med, 3) if v.valid and disk_med and rec_med else None,
-        "disk_hit_counted": hits > 0,
-        "errors": errors,
-        **v.as_dict(),
+        "saved_first_run": {"ttft_ms": runs["save"]["ttft_ms"], "persisted_blocks": counter("save", KEYS[2])},
+        "after_restart_from_disk": phase("disk"),
+        "recompute_no_tiers": {
+            "ttft_ms": runs["recompute"]["ttft_ms"],
+            "median_ttft_ms": _median(runs["recompute"]["ttft_ms"]),
+        },  # fmt: skip
+        "ttft_ratio_disk_to_recompute": ratio("disk", "recompute"),
+        "disk_hit_counted": counter("disk", "kv_disk_hits") > 0,
     }
-    print(json.dumps(out, indent=2))
-    return 0
+    if "disk_encrypted" in runs:
+        out["encrypted"] = {
+            "after_restart_from_disk": phase("disk_encrypted"),
+            "ttft_ratio_encrypted_to_plain_disk": ratio("disk_encrypted", "disk"),
+            "ttft_ratio_encrypted_to_recompute": ratio("disk_encrypted", "recompute"),
+            "restart_with_key_b": {**phase("wrong_key"), "output_equals_recompute": runs["wrong_key"]["texts"] == truth},
+            "restart_with_key_a_again": {**phase("key_a_again"),
+                                         "output_equals_recompute": runs["key_a_again"]["texts"] == truth},
+        }  # fmt: skip
+    out["errors"] = errors
+    out.update(v.as_dict())
+    return out
+
+
+def _key(work: Path, name: str) -> Path:
+    path = work / f"key-{name}"
+    path.write_bytes(os.urandom(32))
+    path.chmod(0o600)
+    return path
 
 
 def _median(values: list[float | None]) -> float | None:

@@ -31,6 +31,7 @@ class Stream:
     sent: float
     events: list[float] = field(default_factory=list)
     error: str = ""
+    text: str = ""  # the streamed completion (greedy: equal runs must give equal text)
 
     @property
     def ttft_s(self) -> float | None:
@@ -88,8 +89,10 @@ async def stream_completion(
                 if not line.startswith(b"data:") or line == b"data: [DONE]":
                     continue
                 chunk = json.loads(line[5:])
-                if any(c.get("text") for c in chunk.get("choices") or []):
+                texts = [c.get("text") or "" for c in chunk.get("choices") or []]
+                if any(texts):
                     s.events.append(time.perf_counter())
+                    s.text += "".join(texts)
     except aiohttp.ClientError as e:
         s.error = str(e)
     return s

@@ -12,13 +12,16 @@ starts (servers, CLIs) import the mutated copy. With -x, the run must end in fai
 such). First the same tests must pass on an unmutated copy, or a mutant's "kill" would
 mean nothing.
 
-Adding a mutant is one entry in MUTANTS. A mutant whose killers are expensive (they load
-transformers) is `slow=True`: it runs with `make test-all`, not in the default suite.
+Adding a mutant is one entry in MUTANTS. A `slow=True` mutant runs with `make test-all`
+(`-m slow`), not in the default suite: one whose killers are expensive (they load
+transformers), or one beyond the headline claims (each mutant costs a process start,
+several seconds of CPU on this VM; the default list stays short).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -39,6 +42,9 @@ class Mutant:
     killers: tuple[str, ...]  # pytest node ids of default tests; the run of them must fail
     slow: bool = False
 
+
+# Prefixes staged from disk after a restart, watched by tests/engine/guard_spy.py.
+TIERS_RESTART = "tests/engine/test_tiers.py::test_prefix_reload_from_disk_after_restart"
 
 MUTANTS = [
     Mutant(
@@ -71,6 +77,51 @@ MUTANTS = [
         ("tests/kv/test_kv_disk_tier.py::test_decode_guard_refuses_disk_reads",),
     ),
     Mutant(
+        "engine: a step never enters the decode guard",
+        "tierguard/engine/llm_engine.py",
+        "from tierguard.kv.guard import decode_guard",
+        "from contextlib import nullcontext as decode_guard",
+        (TIERS_RESTART,),
+    ),
+    Mutant(
+        "engine: the model run outside the decode guard",
+        "tierguard/engine/llm_engine.py",
+        "with decode_guard():\n                logits = self.runner.run(",
+        "if True:\n                logits = self.runner.run(",
+        (TIERS_RESTART,),
+        slow=True,  # the default suite has the mutant above; this one shows the run's spy alone
+    ),
+    Mutant(
+        "transfer: a staging read runs on the engine thread (the job runs where it is submitted)",
+        "tierguard/kv/transfer.py",
+        "self._executor.submit(self._run, job_id, spec, handler, prepared)",
+        "self._run(job_id, spec, handler, prepared)",
+        (TIERS_RESTART,),
+    ),
+    Mutant(
+        "at rest: blocks written unencrypted",
+        "tierguard/kv/aead_codec.py",
+        "self.ring.seal_into(payload, aad, out)\n        return out",
+        "return payload",
+        ("tests/kv/test_kv_at_rest.py::test_blocks_are_sealed_no_plaintext_run_reaches_the_file",),
+    ),
+    Mutant(
+        "at rest: a wrong key's write-behind overwrites the right key's block",
+        "tierguard/kv/disk_tier.py",
+        "if block_hash in self._undecodable:\n                self._c[\"rejected_writes\"] += 1",
+        "if False:\n                self._c[\"rejected_writes\"] += 1",
+        ("tests/kv/test_kv_at_rest.py::test_wrong_or_missing_key_is_a_counted_miss_that_never_overwrites",),
+        slow=True,  # cheap, but every default mutant costs a process start; these have direct tests
+    ),
+    Mutant(
+        "at rest: the TTL sweeper removes nothing",
+        "tierguard/kv/disk_upkeep.py",
+        "victims = [h for h, t in self._touched.items() if t < cutoff]",
+        "victims = []",
+        ("tests/kv/test_kv_at_rest.py::test_ttl_removes_blocks_not_used_for_that_long",),
+        slow=True,
+    ),
+    Mutant(
         "model: keys rotated the wrong way (greedy parity with transformers breaks)",
         "tierguard/model/layers.py",
         "k * cos + _rotate_half(k) * sin",
@@ -80,6 +131,13 @@ MUTANTS = [
     ),
 ]
 FAST = [m for m in MUTANTS if not m.slow]
+
+
+def _id(m: Mutant) -> str:
+    """A test id from the mutant's name: 'engine-a-step-never-enters-the-decode-guard'."""
+    return re.sub(r"[^a-z0-9]+", "-", m.name.lower()).strip("-")[:60].rstrip("-")
+
+
 SLOW = [m for m in MUTANTS if m.slow]
 
 
@@ -139,12 +197,12 @@ def pristine_slow(tmp_path_factory) -> Path:
     return _pristine(tmp_path_factory.mktemp("pristine-slow"), SLOW)
 
 
-@pytest.mark.parametrize("mutant", FAST, ids=[m.path.split("/")[-1] for m in FAST])
+@pytest.mark.parametrize("mutant", FAST, ids=[_id(m) for m in FAST])
 def test_mutant_is_killed(mutant: Mutant, pristine: Path, tmp_path: Path):
     _kill(mutant, pristine, tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mutant", SLOW, ids=[m.path.split("/")[-1] for m in SLOW])
+@pytest.mark.parametrize("mutant", SLOW, ids=[_id(m) for m in SLOW])
 def test_slow_mutant_is_killed(mutant: Mutant, pristine_slow: Path, tmp_path: Path):
     _kill(mutant, pristine_slow, tmp_path)

@@ -97,13 +97,13 @@ def _gauge(text: str, name: str) -> float:
     raise AssertionError(f"{name} not in /metrics")
 
 
-async def _complete(url: str, prompt: list[int]) -> tuple[list, str]:
+async def _complete(url: str, prompt: list[int], wait_persisted: bool = True) -> tuple[list, str]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
         body = {"prompt": prompt, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
         async with s.post(url + "/v1/completions", json=body) as r:
             assert r.status == 200
             text = (await r.json())["choices"][0]["text"]
-        for _ in range(200):  # write-behind: wait for the blocks to reach the disk
+        for _ in range(200 if wait_persisted else 1):  # write-behind: wait for the blocks to reach the disk
             metrics = await (await s.get(url + "/metrics")).text()
             if _gauge(metrics, "tierguard:engine_kv_persisted_blocks_total") > 0:
                 break

@@ -34,6 +34,16 @@ async def _hold(gate: SharedAdmission, info: RequestInfo, seconds: float, runnin
     return time.monotonic() - t0
 
 
+async def _slots_drain(gate: SharedAdmission, timeout_s: float = 3.0) -> dict:
+    """Releases go to Redis in the background: poll the counts until no slot is held (or time out)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        counts = await gate.store.counts()
+        if counts["slots"] == 0 or time.monotonic() > deadline:
+            return counts
+        await asyncio.sleep(0.05)
+
+
 def test_two_gates_never_run_more_than_the_shared_limit(redis_server):
     async def main():
         a, b = _gate(redis_server.url, "t1", max_concurrency=3), _gate(redis_server.url, "t1", max_concurrency=3)
@@ -46,8 +56,7 @@ def test_two_gates_never_run_more_than_the_shared_limit(redis_server):
         assert max(waited) >= 0.05 * 16 / 3 * 0.9  # so the 16 requests ran about three at a time
         assert a.counters.waits + b.counters.waits >= 16 - 3
         assert a.counters.fallback_admissions == b.counters.fallback_admissions == 0
-        await asyncio.sleep(0.1)  # releases go to Redis in the background
-        counts = await a.store.counts()
+        counts = await _slots_drain(a)
         assert counts["slots"] == 0 and sum(v for k, v in counts.items() if k.startswith("queued")) == 0
         a.check_integrity()
         b.check_integrity()
@@ -120,7 +129,12 @@ def test_redis_killed_falls_back_to_the_local_share_and_recovers(redis_server):
         a, b = _gate(redis_server.url, "t4", lease_ms=900, **kw), _gate(redis_server.url, "t4", lease_ms=900, **kw)
         await a.start()
         await b.start()
-        await asyncio.sleep(0.4)  # a renewal each: both have seen two live gates
+        # a renewal each until both are up and count two live gates (on a loaded host the
+        # first call can time out, and that gate joins a renewal later)
+        deadline = time.monotonic() + 5
+        while not (a.up and b.up and a.counters.live_gates == b.counters.live_gates == 2):
+            assert time.monotonic() < deadline, (a.up, b.up, a.counters.live_gates, b.counters.live_gates)
+            await asyncio.sleep(0.05)
         held = [await a.acquire(RequestInfo(10)) for _ in range(4)]
         queued = asyncio.create_task(a.acquire(RequestInfo(10)))  # the 5th waits in the shared queue
         await asyncio.sleep(0.1)
@@ -154,8 +168,7 @@ def test_redis_killed_falls_back_to_the_local_share_and_recovers(redis_server):
             a.release(t)
         for t in b_tickets:
             b.release(t)
-        await asyncio.sleep(0.1)
-        assert (await a.store.counts())["slots"] == 0
+        assert (await _slots_drain(a))["slots"] == 0
         await a.close()
         await b.close()
 

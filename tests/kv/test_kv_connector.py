@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -21,7 +22,7 @@ from tierguard.kv import disk_format as fmt
 from tierguard.kv.connector import TierOptions
 from tierguard.kv.contract import ColdContract
 from tierguard.kv.faults import FaultInjector
-from tierguard.kv.guard import ColdContractViolation, decode_guard
+from tierguard.kv.guard import ColdContractViolation, decode_depth, decode_guard
 from tierguard.kv.spec import DevicePool, KVLayout
 from tierguard.kv.tiered_connector import TieredConnector
 
@@ -252,6 +253,14 @@ def test_engine_loop_under_decode_guard_never_reads_disk(tmp_path, layout, fp):
         rig.settle()
     disk = rig.conn.media["disk"]
     assert disk.stats().num_blocks == 12
+    reads: list[tuple[int, int]] = []  # (thread, decode depth) of every read_many call
+    read_many = disk.read_many
+
+    def spy(items, *args, **kwargs):
+        reads.append((threading.get_ident(), decode_depth()))
+        return read_many(items, *args, **kwargs)
+
+    disk.read_many = spy
     pending = {f"r{i}": Seq(f"r{i}", list(range(16)) + [i]) for i in range(3)}
     loaded: dict[str, int] = {}
     refused = 0
@@ -276,7 +285,11 @@ def test_engine_loop_under_decode_guard_never_reads_disk(tmp_path, layout, fp):
             refused += 1
     assert loaded == {"r0": 4, "r1": 4, "r2": 4}
     assert disk.stats().reads_in_decode == refused  # only the decode thread's own attempts
-    assert disk.stats().hits == 12  # every block was read, on the worker threads
+    assert disk.stats().hits == 12  # every block was read
+    engine = threading.get_ident()
+    assert sum(1 for t, _ in reads if t == engine) == refused  # the engine thread only tried, in decode
+    staged = [(t, d) for t, d in reads if t != engine]
+    assert staged and all(d == 0 for _, d in staged)  # staging: worker threads, outside any guard
     rig.conn.close()
 
 

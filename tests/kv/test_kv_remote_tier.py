@@ -231,3 +231,24 @@ def test_an_error_reply_is_counted_but_does_not_mark_redis_down(tiers, redis_ser
     wait_until(lambda: a.stats().errors > 0)  # the refresh's XRANGE failed
     assert a.healthy and a.writes_enabled and a.stats().breaker_opened == 0
     assert a.read_many(outs(1)) == [True]
+
+
+def test_with_the_aes_codec_no_plaintext_run_reaches_redis(tiers, redis_server, tmp_path):
+    """--kv-encrypt-key-file covers the remote tier: real AES-256-GCM through the same codec
+    the disk tier uses; a replica with the key reads, one without it misses (counted)."""
+    from tests.kv.test_kv_at_rest import key_file, kv_like, shares_a_run
+    from tierguard.kv.aead_codec import AesGcmCodec
+
+    tmp_path.chmod(0o700)
+    codec = AesGcmCodec.from_files(key_file(tmp_path / "A"))
+    plain_bytes = bytes(kv_like(3, BLOCK).numpy())
+    sealed, same_key = tiers(codec=codec), tiers(codec=AesGcmCodec.from_files(str(tmp_path / "A")))
+    other_key, clear = tiers(codec=AesGcmCodec.from_files(key_file(tmp_path / "B"))), tiers()
+    assert sealed.write_many([(5, plain_bytes)]) and clear.write_many([(6, plain_bytes)])
+    r = redis.Redis.from_url(redis_server.url)
+    assert not shares_a_run(plain_bytes, r.get(sealed.key(5)))
+    assert shares_a_run(plain_bytes, r.get(clear.key(6)))  # the check can fail
+    wait_until(lambda: same_key.contains(5) and other_key.contains(5))
+    got = outs(5)
+    assert same_key.read_many(got) == [True] and bytes(got[0][1]) == plain_bytes
+    assert other_key.read_many(outs(5)) == [False] and other_key.stats().undecodable == 1

@@ -16,7 +16,7 @@ import sys
 from tierguard.cli.gate import add_peer_flags, add_policy_flags, policy_from_args
 from tierguard.common.errors import TierguardError
 from tierguard.common.peer_conn import guarded_runner
-from tierguard.serve.tier_flags import add_tier_flags, tier_kwargs
+from tierguard.serve.tier_flags import add_tier_flags, describe_at_rest, tier_kwargs
 
 READY_PREFIX = "tierguard serve: ready on "
 # On SIGTERM in-flight requests get this long to finish; then their handlers are
@@ -224,6 +224,9 @@ async def _serve(engine, args: argparse.Namespace, model_name: str) -> int:
             state.max_body_bytes, f"on (a token covers at most {rule.max_bytes} bytes)" if rule and rule.exact
             else "off", args.limits.header_timeout_s, args.limits.body_timeout_s, args.limits.slow_reader_bytes,
         )
+        at_rest = describe_at_rest(args)
+        if at_rest is not None:
+            logging.getLogger("tierguard.serve").log(*at_rest)
         await stop.wait()
         print("tierguard serve: shutting down", file=sys.stderr, flush=True)
     finally:

@@ -119,13 +119,16 @@ def _decode_key(raw: bytes, where: str) -> bytes:
     )
 
 
-def is_sealed(blob: bytes) -> bool:
-    return blob[: len(MAGIC)] == MAGIC
+def is_sealed(blob: bytes | memoryview) -> bool:
+    return bytes(blob[: len(MAGIC)]) == MAGIC
 
 
-def sealed_key_id(blob: bytes) -> bytes | None:
-    """The key id in a sealed blob's header, or None for anything else."""
-    return blob[len(MAGIC) : len(MAGIC) + KEY_ID_BYTES] if is_sealed(blob) and len(blob) >= HEADER_BYTES else None
+def sealed_key_id(blob: bytes | memoryview) -> bytes | None:
+    """The key id in a sealed blob's header, or None for anything else. `blob` may be a
+    memoryview (a KV block read into a buffer): only the 8 id bytes are copied."""
+    if not (is_sealed(blob) and len(blob) >= HEADER_BYTES):
+        return None
+    return bytes(blob[len(MAGIC) : len(MAGIC) + KEY_ID_BYTES])
 
 
 class KeyRing:
@@ -150,11 +153,45 @@ class KeyRing:
     def key_ids(self) -> list[str]:
         return [k.hex() for k in self._by_id]
 
-    def seal(self, plaintext: bytes, aad: bytes) -> bytes:
+    def seal(self, plaintext: bytes | memoryview, aad: bytes) -> bytes:
         nonce = os.urandom(NONCE_BYTES)
         return MAGIC + self.current.id + nonce + self._sealer.encrypt(nonce, plaintext, aad)
 
-    def open(self, blob: bytes, aad: bytes) -> bytes:
+    def open(self, blob: bytes | memoryview, aad: bytes) -> bytes:
+        aead, nonce = self._opener(blob)
+        try:
+            return aead.decrypt(nonce, blob[HEADER_BYTES:], aad)
+        except InvalidTag:
+            raise DecryptError("authentication failed (damaged, or stored under another name)") from None
+
+    def seal_into(self, plaintext: bytes | memoryview, aad: bytes, out: memoryview) -> None:
+        """`seal` written into `out` (exactly len(plaintext) + OVERHEAD_BYTES): no copy of the
+        ciphertext, for KV blocks of megabytes."""
+        nonce = os.urandom(NONCE_BYTES)
+        out[:HEADER_BYTES] = MAGIC + self.current.id + nonce
+        encrypt_into = getattr(self._sealer, "encrypt_into", None)  # recent cryptography (50.0 here)
+        if encrypt_into is None:
+            out[HEADER_BYTES:] = self._sealer.encrypt(nonce, plaintext, aad)
+        else:
+            encrypt_into(nonce, plaintext, aad, out[HEADER_BYTES:])
+
+    def open_into(self, blob: bytes | memoryview, aad: bytes, out: memoryview) -> None:
+        """`open` written into `out` (exactly the plaintext length). On DecryptError `out`
+        is zeroed: no unauthenticated byte is left in it."""
+        aead, nonce = self._opener(blob)
+        if len(blob) - OVERHEAD_BYTES != len(out):
+            raise DecryptError(f"holds {len(blob) - OVERHEAD_BYTES} bytes, expected {len(out)}")
+        try:
+            decrypt_into = getattr(aead, "decrypt_into", None)  # recent cryptography (50.0 here)
+            if decrypt_into is None:
+                out[:] = aead.decrypt(nonce, blob[HEADER_BYTES:], aad)
+            else:
+                decrypt_into(nonce, blob[HEADER_BYTES:], aad, out)
+        except InvalidTag:
+            out[:] = bytes(len(out))
+            raise DecryptError("authentication failed (damaged, or stored under another name)") from None
+
+    def _opener(self, blob: bytes | memoryview) -> tuple[AESGCM, bytes]:
         kid = sealed_key_id(blob)
         if kid is None:
             raise DecryptError("not a tierguard envelope (no TGE1 header)")
@@ -163,11 +200,7 @@ class KeyRing:
             raise DecryptError(f"sealed with key {kid.hex()}, which is not configured")
         if len(blob) < OVERHEAD_BYTES:
             raise DecryptError("truncated")
-        nonce = blob[len(MAGIC) + KEY_ID_BYTES : HEADER_BYTES]
-        try:
-            return aead.decrypt(nonce, blob[HEADER_BYTES:], aad)
-        except InvalidTag:
-            raise DecryptError("authentication failed (damaged, or stored under another name)") from None
+        return aead, bytes(blob[len(MAGIC) + KEY_ID_BYTES : HEADER_BYTES])
 
     def needs_reseal(self, blob: bytes) -> bool:
         """True when `blob` was sealed with an old key: rewrite it to finish a rotation."""

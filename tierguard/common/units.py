@@ -1,4 +1,4 @@
-"""Parsing of sizes and token counts as users type them ("32k", "1.5GiB", "2k,8k")."""
+"""Parsing of sizes, token counts and durations as users type them ("32k", "1.5GiB", "2k,8k", "7d")."""
 
 from __future__ import annotations
 
@@ -52,3 +52,17 @@ def positive(value: float, what: str) -> float:
     if value is None or value <= 0:
         raise TierguardError(f"{what} must be positive, got {value}")
     return value
+
+
+_DURATION_SUFFIX = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
+
+
+def parse_duration(text: str, what: str = "duration") -> float:
+    """Parse "90", "90s", "15m", "2h", "7d", "1.5h" into seconds (> 0)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]?)\s*", str(text))
+    if not m or m.group(2).lower() not in _DURATION_SUFFIX:
+        raise TierguardError(f"invalid {what} {text!r}: expected a duration like 90s, 15m, 2h or 7d")
+    seconds = float(m.group(1)) * _DURATION_SUFFIX[m.group(2).lower()]
+    if seconds <= 0:
+        raise TierguardError(f"invalid {what} {text!r}: must be longer than zero")
+    return seconds

@@ -32,6 +32,11 @@ class EngineConfig:
     # Decode-only steps of up to this many sequences run on static buffers, captured as
     # CUDA graphs on CUDA (decode_graphs.py); 0: off. Eager on the CPU (tests only).
     decode_graph_max_batch: int = 0
+    # Cold KV at rest (tierguard/kv/aead_codec.py): AES-256-GCM key files for every cold
+    # medium, the old key of a rotation, and the disk tier's time to live (0: none).
+    kv_encrypt_key_file: str | None = None
+    kv_encrypt_old_key_file: str | None = None
+    kv_disk_ttl_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kv_dtype not in ("auto", "fp8", "int8"):
@@ -57,6 +62,8 @@ class EngineConfig:
         media: dict[str, dict[str, Any]] = {}
         if self.kv_disk_dir is not None and self.kv_disk_gib > 0:
             media["disk"] = {"dir": self.kv_disk_dir, "capacity_bytes": int(self.kv_disk_gib * GIB)}
+            if self.kv_disk_ttl_s > 0:
+                media["disk"]["ttl_s"] = self.kv_disk_ttl_s
         media.update(self.kv_media)
         return media
 
@@ -74,6 +81,20 @@ class EngineConfig:
             raise TierguardError("--kv-disk-dir needs a positive --kv-disk-gib")
         if self.naive_sync_disk and not (self.kv_disk_dir and self.kv_disk_gib > 0):
             raise TierguardError("--kv-naive-sync-disk needs a disk tier (--kv-disk-dir and --kv-disk-gib)")
+        if self.naive_sync_disk and self.kv_encrypt_key_file:
+            raise TierguardError(
+                "--kv-naive-sync-disk (a benchmark mode) spills unencrypted; drop --kv-encrypt-key-file"
+            )
+        if self.kv_encrypt_old_key_file and not self.kv_encrypt_key_file:
+            raise TierguardError(
+                "--kv-encrypt-old-key-file needs --kv-encrypt-key-file (the key new blocks are sealed with)"
+            )
+        if not (isinstance(self.kv_disk_ttl_s, int | float) and 0 <= self.kv_disk_ttl_s < float("inf")):
+            raise TierguardError(
+                f"--kv-disk-ttl-s must be a non-negative number of seconds, got {self.kv_disk_ttl_s!r}"
+            )
+        if self.kv_disk_ttl_s > 0 and not (self.kv_disk_dir and self.kv_disk_gib > 0):
+            raise TierguardError("--kv-disk-ttl-s needs a disk tier (--kv-disk-dir and --kv-disk-gib)")
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -119,6 +119,9 @@ def build_engine(
     target_itl_ms: float | None = None,
     cuda_graphs: bool = True,
     gguf_path: str | Path | None = None,
+    kv_encrypt_key_file: str | None = None,
+    kv_encrypt_old_key_file: str | None = None,
+    kv_disk_ttl_s: float = 0.0,
 ) -> LLMEngine:
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)  # fail fast on a bad directory, before loading weights
@@ -174,6 +177,9 @@ def build_engine(
         kv_dtype=kv_dtype,
         target_itl_ms=DEFAULT_TARGET_ITL_MS.get(dev.type, 0.0) if target_itl_ms is None else target_itl_ms,
         decode_graph_max_batch=min(32, max_num_seqs) if cuda_graphs and dev.type == "cuda" else 0,
+        kv_encrypt_key_file=kv_encrypt_key_file,  # cold KV at rest: tierguard/kv/aead_codec.py
+        kv_encrypt_old_key_file=kv_encrypt_old_key_file,
+        kv_disk_ttl_s=kv_disk_ttl_s,
     )
     return LLMEngine(
         model,

@@ -151,6 +151,11 @@ class LLMEngine:
         if not config.tiers_enabled:
             return NoConnector()
         options = TierOptions(int(config.kv_host_gib * GIB), config.media_options(), config.ttft_budget_ms)
+        if config.kv_encrypt_key_file:  # every cold medium stores blocks sealed (AES-256-GCM)
+            from tierguard.kv.aead_codec import AesGcmCodec
+
+            old = [config.kv_encrypt_old_key_file] if config.kv_encrypt_old_key_file else []
+            options.codec = AesGcmCodec.from_files(config.kv_encrypt_key_file, old)
         self.contract = ColdContract(options.ttft_budget_ms)
         pool, device_pool = self.pool, self.runner.device_pool
         return TieredConnector.create(

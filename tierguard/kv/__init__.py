@@ -18,6 +18,9 @@ disk_format.py    block file names, directory scan, raw file I/O
 remote_tier.py    the "remote" medium: blocks shared by replicas through one Redis (--kv-remote-url)
 remote_index.py   what is known to be in Redis, without a round trip: own writes + the fleet's journal
 breaker.py        circuit breaker: a Redis that is down costs no waiting
+disk_upkeep.py    the disk tier's sweeper: TTL expiry, resealing blocks of an old key
+disk_purge.py     `tierguard kv purge`: operators remove block files (by age, by fingerprint)
+aead_codec.py     AES-256-GCM BlockCodec (--kv-encrypt-key-file): cold KV sealed at rest
 transfer.py       transfer worker: jobs routed by (source spec, destination spec) to handlers
 copy_handlers.py  device <-> host (batched, contiguous) and host <-> cold medium handlers
 spec.py           KV layout (blocks first), device pool, the one model fingerprint
@@ -40,10 +43,15 @@ The contract, answering R4's questions:
   disk read from inside it raises `ColdContractViolation`. If staging misses its
   deadline, an interactive request recomputes the prefix (or goes async when recompute
   is hopeless); a batch request keeps waiting. Each decision is counted and logged.
-- Who cleans files: the disk tier alone, in its own `<dir>/<fingerprint>/`. It removes
-  least-recently-used blocks to stay within `--kv-disk-gib`, deletes a block whose
-  checksum fails, and at start-up removes temporary files of dead writers and files with
-  torn headers. It never touches files of other fingerprints or files it did not name.
+- Who cleans files: the disk tier, in its own `<dir>/<fingerprint>/`, and operators with
+  `tierguard kv purge`. The tier removes least-recently-used blocks to stay within
+  `--kv-disk-gib`, blocks unused for `--kv-disk-ttl-s` (its sweeper thread), a block whose
+  checksum fails, and at start-up temporary files of dead writers, files with torn
+  headers and (encryption on) unencrypted blocks. Neither touches files of other
+  fingerprints or files the tier did not name.
+- At rest: with `--kv-encrypt-key-file` blocks are sealed with AES-256-GCM (fingerprint
+  and hash as associated data); a wrong or missing key is a miss, never an error, and
+  never overwrites the right key's blocks; `--kv-encrypt-old-key-file` rotates.
 - Disk full / I/O error / bad checksum: a miss, recomputed; never an exception to the
   request. ENOSPC, a read-only directory or repeated write errors disable disk writes,
   `healthy` turns False with a reason (for /health and /metrics), and serving goes on with

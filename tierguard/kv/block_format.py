@@ -93,6 +93,11 @@ def decode_header(raw: bytes | bytearray | memoryview) -> Header:
     return Header(fp.decode("ascii", "replace"), block_hash, payload_len, payload_xxh, codec, key_id)
 
 
+def is_fingerprint(text: str) -> bool:
+    """16 lowercase hex characters (tierguard.kv.spec.fingerprint; a tier directory's name)."""
+    return len(text) == 16 and all(c in "0123456789abcdef" for c in text)
+
+
 def associated_data(fingerprint: str, block_hash: int) -> bytes:
     """What an authenticating codec binds a block's bytes to."""
     return fingerprint.encode("ascii") + block_hash.to_bytes(8, "little")
@@ -104,6 +109,8 @@ class BlockCodec(Protocol):
     `encode` may return its input unchanged (no copy). `decode` fills `out` (exactly the
     payload length) and returns False when the stored bytes cannot be decoded (wrong key,
     failed authentication): the caller counts a miss and recomputes, never an error.
+    Optional, for keyed codecs: `readable(codec_id, key_id)` and `is_current(key_id)`
+    (see `codec_can_read`, `sealed_with_old_key`); tierguard/kv/aead_codec.py has both.
     """
 
     codec_id: int
@@ -134,8 +141,31 @@ class IdentityCodec:
         out[:] = stored
         return True
 
+    def readable(self, codec_id: int, key_id: int) -> bool:
+        return codec_id == IDENTITY_CODEC
+
+    def is_current(self, key_id: int) -> bool:
+        return True
+
 
 IDENTITY = IdentityCodec()
+
+
+def codec_can_read(codec: BlockCodec, header: Header) -> bool:
+    """Whether `codec` holds what a block with this header needs (no I/O, no decryption).
+
+    A keyed codec may say so with `readable(codec_id, key_id)` (the AES-GCM codec knows
+    its current and old key ids); otherwise only the codec id is compared, and a wrong
+    key shows up when `decode` fails.
+    """
+    readable = getattr(codec, "readable", None)
+    return readable(header.codec, header.key_id) if readable else header.codec == codec.codec_id
+
+
+def sealed_with_old_key(codec: BlockCodec, header: Header) -> bool:
+    """A readable block sealed with a key other than the current one (a rotation's work)."""
+    is_current = getattr(codec, "is_current", None)
+    return is_current is not None and codec_can_read(codec, header) and not is_current(header.key_id)
 
 
 def header_for(fingerprint: str, block_hash: int, stored: memoryview, codec: BlockCodec = IDENTITY) -> Header:

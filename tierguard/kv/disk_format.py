@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+from tierguard.kv.block_format import HEADER_LEN, U64_MAX, BadHeader, Header, decode_header
 
-from tierguard.kv.block_format import HEADER_LEN, U64_MAX, BadHeader, decode_header
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "HEADER_LEN",
@@ -24,6 +27,7 @@ __all__ = [
     "as_buffer",
     "read_all",
     "scan_dir",
+    "BlockFile",
 ]
 
 OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC  # never follow a symlink planted in the tier directory
@@ -41,11 +45,21 @@ def temp_name(block_hash: int, pid: int, seq: int) -> str:
 
 
 def as_buffer(obj: torch.Tensor | bytes | bytearray | memoryview) -> memoryview:
+    import torch  # here, not at import: `tierguard kv purge` reads these files without torch
+
     if isinstance(obj, torch.Tensor):
         if obj.dtype != torch.uint8 or obj.device.type != "cpu" or not obj.is_contiguous():
             raise ValueError("disk tier payloads must be contiguous CPU uint8 tensors")
         return memoryview(obj.numpy()).cast("B")
     return memoryview(obj).cast("B")
+
+
+def touch(fd: int) -> None:
+    """Set an open block file's mtime to now: a read hit is a use (TTL, purge --older-than)."""
+    try:
+        os.utime(fd)
+    except OSError:
+        pass  # only the clock of the TTL; the block itself is fine
 
 
 def pid_alive(pid: int) -> bool:
@@ -74,8 +88,18 @@ def read_all(fd: int, head: memoryview, dst: memoryview) -> bool:
     return True
 
 
-def validate_file(dir_fd: int, name: str, fingerprint: str, block_hash: int) -> int | None:
-    """File size if the header is intact and matches the name and length, else None.
+@dataclass(frozen=True)
+class BlockFile:
+    """An intact block file found by a scan: its hash, size, last touch and header."""
+
+    block_hash: int
+    size: int
+    mtime: float  # last write or read hit (reads touch the file): the TTL and LRU clock
+    header: Header
+
+
+def validate_file(dir_fd: int, name: str, fingerprint: str, block_hash: int) -> Header | None:
+    """The header if it is intact and matches the name and file length, else None.
 
     Reads only the header (start-up must stay fast); payload checksums are verified on read.
     """
@@ -92,17 +116,17 @@ def validate_file(dir_fd: int, name: str, fingerprint: str, block_hash: int) -> 
         return None
     if size != HEADER_LEN + header.payload_len:
         return None
-    return size
+    return header
 
 
-def scan_dir(dir_fd: int, fingerprint: str) -> tuple[list[tuple[int, int]], list[str]]:
-    """Scan a tier directory: ((hash, size) of intact blocks oldest first, names to remove).
+def scan_dir(dir_fd: int, fingerprint: str) -> tuple[list[BlockFile], list[str]]:
+    """Scan a tier directory: (intact blocks oldest first, names to remove).
 
     To remove: temporary files whose writer is dead (a kill -9 mid-write) and block files
     with a torn, foreign or truncated header. Names that are not ours and symlinks are
     neither listed nor removed.
     """
-    found: list[tuple[float, int, int]] = []
+    found: list[BlockFile] = []
     leftovers: list[str] = []
     for entry in os.scandir(dir_fd):
         temp = TEMP_RE.match(entry.name)
@@ -114,9 +138,11 @@ def scan_dir(dir_fd: int, fingerprint: str) -> tuple[list[tuple[int, int]], list
         if not m or not entry.is_file(follow_symlinks=False):
             continue
         block_hash = int(m.group(1), 16)
-        size = validate_file(dir_fd, entry.name, fingerprint, block_hash)
-        if size is None:
+        header = validate_file(dir_fd, entry.name, fingerprint, block_hash)
+        if header is None:
             leftovers.append(entry.name)
             continue
-        found.append((entry.stat(follow_symlinks=False).st_mtime, block_hash, size))
-    return [(h, size) for _mtime, h, size in sorted(found)], leftovers
+        mtime = entry.stat(follow_symlinks=False).st_mtime
+        found.append(BlockFile(block_hash, HEADER_LEN + header.payload_len, mtime, header))
+    found.sort(key=lambda f: (f.mtime, f.block_hash))
+    return found, leftovers

@@ -16,6 +16,16 @@ What it promises (the cold contract's disk half):
 - Budget: when a write would exceed `capacity_bytes`, the least recently used blocks of
   this fingerprint are removed first. Other fingerprints' subdirectories are never touched
   (they may belong to another running server).
+- Time to live (`ttl_s`, `--kv-disk-ttl-s`): a sweeper thread removes blocks not written
+  or read for that long (`expired`). A read hit touches the file's mtime, so the clock
+  survives a restart and `tierguard kv purge --older-than` reads the same clock.
+- At rest (`codec`, `--kv-encrypt-key-file`): with an encrypting codec, plaintext blocks
+  of this fingerprint are removed at start (`plaintext_removed`); blocks sealed with an
+  old key (a rotation) are read and resealed with the current key by the sweeper
+  (`resealed`); a block no configured key opens is an `undecodable` miss that stays on
+  disk for a reader with the right key: it keeps its name (a write of the same block is
+  refused, so a wrong key never overwrites the right key's blocks) until the budget, the
+  TTL or a purge removes it.
 
 All file operations go through a directory fd opened with O_NOFOLLOW and use fixed file
 names, so nothing is created outside the configured directory, even via symlinks.
@@ -31,6 +41,7 @@ import errno
 import itertools
 import os
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +49,7 @@ from typing import Any
 from tierguard.common.stats import counter, gauge
 from tierguard.kv import block_format as blk
 from tierguard.kv import disk_format as fmt
+from tierguard.kv.disk_upkeep import DiskUpkeep, Sweeper, sweep_interval
 from tierguard.kv.faults import FaultInjector
 from tierguard.kv.guard import check_disk_read_allowed, decode_in_progress
 from tierguard.kv.lru import EvictionPolicy, LRUPolicy
@@ -47,7 +59,7 @@ from tierguard.kv.spec import is_fingerprint
 _OPEN_FLAGS = fmt.OPEN_FLAGS
 _COUNTERS = (
     "hits misses writes write_bytes read_bytes corrupt undecodable io_errors write_errors evictions "
-    "rejected_writes reads_in_decode cleaned_on_start"
+    "rejected_writes reads_in_decode cleaned_on_start expired resealed plaintext_removed"
 ).split()
 
 
@@ -74,12 +86,17 @@ class DiskTierStats:
     rejected_writes: int = counter("Writes refused (disabled, or larger than the budget).")
     reads_in_decode: int = counter("Disk reads attempted inside a decode step (refused; a bug).")
     cleaned_on_start: int = counter("Leftover or torn files removed at start-up.")
+    expired: int = counter("Block files removed by the TTL sweeper (not touched for --kv-disk-ttl-s).")
+    resealed: int = counter("Blocks rewritten with the current key (a key rotation).")
+    plaintext_removed: int = counter("Unencrypted block files removed at start (encryption is on).")
+    undecodable_blocks: int = gauge("Block files kept that no configured key opens.")
+    old_key_blocks: int = gauge("Block files sealed with an old key, waiting to be resealed.")
     healthy: bool = gauge("1 while the disk tier is healthy.", default=True)
     writes_enabled: bool = True
     reason: str = ""
 
 
-class DiskTier(ColdMedium):
+class DiskTier(DiskUpkeep, ColdMedium):
     name = "disk"
     spec = DiskBlocks
 
@@ -93,6 +110,8 @@ class DiskTier(ColdMedium):
         codec: blk.BlockCodec = blk.IDENTITY,
         policy: EvictionPolicy | None = None,
         max_consecutive_write_errors: int = 3,
+        ttl_s: float = 0.0,
+        sweep_interval_s: float | None = None,
     ) -> None:
         if not is_fingerprint(fingerprint):
             raise ValueError(f"fingerprint must be 16 lowercase hex chars, got {fingerprint!r}")
@@ -113,12 +132,20 @@ class DiskTier(ColdMedium):
         self._seq = itertools.count()
         self._consecutive_write_errors = 0
         self._c = dict.fromkeys(_COUNTERS, 0)
+        self.ttl_s = float(ttl_s)
+        self._touched: dict[int, float] = {}  # hash -> wall-clock time of the last write or read hit
+        self._undecodable: set[int] = set()  # kept, never read again, never overwritten
+        self._old_key: set[int] = set()  # readable, sealed with an old key: to reseal
         self._dir_fd: int | None = None
         self._open_dir()
         if self._dir_fd is not None:
             self._rebuild_index()
             self._probe_writable()
             self._enforce_budget()
+        self._sweeper: Sweeper | None = None
+        if self._dir_fd is not None and (self.ttl_s > 0 or self._old_key):
+            interval = sweep_interval(self.ttl_s, sweep_interval_s)
+            self._sweeper = Sweeper(self.housekeep, interval, f"kv-disk-sweeper-{fingerprint}")
 
     # ---- start-up ----
 
@@ -145,10 +172,18 @@ class DiskTier(ColdMedium):
         for name in leftovers:
             self._unlink(name)
         self._c["cleaned_on_start"] += len(leftovers)
-        for block_hash, size in blocks:  # oldest first: the LRU order survives a restart
-            self._index[block_hash] = size
-            self._lru.insert(block_hash)
-            self._used += size
+        encrypting = self.codec.codec_id != blk.IDENTITY_CODEC
+        for f in blocks:  # oldest first: the LRU order survives a restart
+            if encrypting and f.header.codec == blk.IDENTITY_CODEC:
+                self._unlink(fmt.block_name(f.block_hash))  # encryption is on: no plaintext stays
+                self._c["plaintext_removed"] += 1
+                continue
+            self._index[f.block_hash] = f.size
+            self._lru.insert(f.block_hash)
+            self._touched[f.block_hash] = f.mtime
+            self._used += f.size
+            if blk.sealed_with_old_key(self.codec, f.header):
+                self._old_key.add(f.block_hash)
 
     def _probe_writable(self) -> None:
         name = fmt.temp_name(0, os.getpid(), next(self._seq))
@@ -168,14 +203,15 @@ class DiskTier(ColdMedium):
     # ---- queries ----
 
     def contains(self, block_hash: int) -> bool:
-        """Index lookup only (no I/O), so it is safe anywhere, including inside decode."""
+        """Index lookup only (no I/O), so it is safe anywhere, including inside decode.
+        A block found undecodable is not offered again."""
         with self._lock:
-            return block_hash in self._index
+            return block_hash in self._index and block_hash not in self._undecodable
 
     def payload_len(self, block_hash: int) -> int | None:
         """Bytes a read of this block fills (the codec's input length), None if absent."""
         with self._lock:
-            size = self._index.get(block_hash)
+            size = None if block_hash in self._undecodable else self._index.get(block_hash)
         if size is None:
             return None
         return size - fmt.HEADER_LEN - (self.codec.stored_len(0))
@@ -204,12 +240,35 @@ class DiskTier(ColdMedium):
             if not self.writes_enabled or self._dir_fd is None or size > self.capacity_bytes:
                 self._c["rejected_writes"] += 1
                 return False
+            if block_hash in self._undecodable:
+                self._c["rejected_writes"] += 1  # another key's block keeps its name
+                return False
             if block_hash in self._index:
                 return True  # same (fingerprint, hash) means same bytes
             victims = self._evict_locked(size)
             self._reserved += size
         for h in victims:
             self._unlink(fmt.block_name(h))
+        try:
+            self._store_file(block_hash, payload)
+        except OSError as e:
+            self._record_write_error(e, size)
+            return False
+        with self._lock:
+            self._reserved -= size
+            # A concurrent write of the same block may have landed first; the rename
+            # replaced its file, so count the bytes once.
+            self._used += size - self._index.pop(block_hash, 0)
+            self._index[block_hash] = size
+            self._lru.insert(block_hash)
+            self._touched[block_hash] = time.time()
+            self._consecutive_write_errors = 0
+            self._c["writes"] += 1
+            self._c["write_bytes"] += size
+        return True
+
+    def _store_file(self, block_hash: int, payload: memoryview) -> None:
+        """Encode and write one block file atomically (temp file, fdatasync, rename)."""
         tmp = fmt.temp_name(block_hash, os.getpid(), next(self._seq))
         mv = self.codec.encode(payload, blk.associated_data(self.fingerprint, block_hash))
         header = blk.encode_header(blk.header_for(self.fingerprint, block_hash, mv, self.codec))
@@ -223,21 +282,9 @@ class DiskTier(ColdMedium):
             finally:
                 os.close(fd)
             os.rename(tmp, fmt.block_name(block_hash), src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
-        except OSError as e:
+        except OSError:
             self._unlink(tmp)
-            self._record_write_error(e, size)
-            return False
-        with self._lock:
-            self._reserved -= size
-            # A concurrent write of the same block may have landed first; the rename
-            # replaced its file, so count the bytes once.
-            self._used += size - self._index.pop(block_hash, 0)
-            self._index[block_hash] = size
-            self._lru.insert(block_hash)
-            self._consecutive_write_errors = 0
-            self._c["writes"] += 1
-            self._c["write_bytes"] += size
-        return True
+            raise
 
     @staticmethod
     def _write_all(fd: int, mv: memoryview) -> None:
@@ -266,11 +313,20 @@ class DiskTier(ColdMedium):
             h = self._lru.pop_victim()
             if h is None:
                 break
-            size = self._index.pop(h)
-            self._used -= size
+            self._forget_locked(h)
             victims.append(h)
             self._c["evictions"] += 1
         return victims
+
+    def _forget_locked(self, block_hash: int) -> int | None:
+        """Drop a block from every index (not the LRU, which the caller handles); its size."""
+        size = self._index.pop(block_hash, None)
+        if size is not None:
+            self._used -= size
+        self._touched.pop(block_hash, None)
+        self._undecodable.discard(block_hash)
+        self._old_key.discard(block_hash)
+        return size
 
     # ---- reads ----
 
@@ -314,7 +370,7 @@ class DiskTier(ColdMedium):
     def _open_block(self, block_hash: int, prefetch: bool) -> tuple[int | None, str]:
         """(fd, "") or (None, counter naming the miss)."""
         with self._lock:
-            if block_hash not in self._index:
+            if block_hash not in self._index or block_hash in self._undecodable:
                 return None, "absent"
         try:
             self.faults.check("disk.read")
@@ -330,7 +386,11 @@ class DiskTier(ColdMedium):
                 pass  # only a hint
         return fd, ""
 
-    def _finish_read(self, block_hash: int, opened: tuple[int | None, str], dst: memoryview) -> bool:
+    def _finish_read(
+        self, block_hash: int, opened: tuple[int | None, str], dst: memoryview, use: bool = True
+    ) -> bool:
+        """Read, verify and decode one opened block into `dst`. `use`: a read hit moves the
+        block up the LRU and touches its mtime (False for the sweeper's own reads)."""
         fd, why = opened
         if fd is None:
             if why == "absent":
@@ -358,6 +418,8 @@ class DiskTier(ColdMedium):
             elif not direct:
                 aad = blk.associated_data(self.fingerprint, block_hash)
                 why = "" if codec.decode(stored, aad, dst, header.key_id) else "undecodable"
+            if use and not why:
+                fmt.touch(fd)
         except blk.BadHeader:
             why = "corrupt"
         except OSError:
@@ -369,7 +431,10 @@ class DiskTier(ColdMedium):
         with self._lock:
             self._c["hits"] += 1
             self._c["read_bytes"] += fmt.HEADER_LEN + dst.nbytes
-            self._lru.touch(block_hash)
+            if use:
+                self._lru.touch(block_hash)
+                if block_hash in self._touched:
+                    self._touched[block_hash] = time.time()
         return True
 
     def read(self, block_hash: int) -> bytes | None:
@@ -386,9 +451,11 @@ class DiskTier(ColdMedium):
             self._c[counter] += 1
             if counter != "misses":
                 self._c["misses"] += 1
-            size = self._index.pop(block_hash, None)
-            if size is not None:
-                self._used -= size
+            if counter == "undecodable" and block_hash in self._index:
+                # Another key's block: it stays indexed (its bytes count against the
+                # budget; LRU, TTL and purge can remove it) but is never offered again.
+                self._undecodable.add(block_hash)
+            elif self._forget_locked(block_hash) is not None:
                 self._lru.remove(block_hash)
         if unlink:
             self._unlink(fmt.block_name(block_hash))
@@ -398,9 +465,8 @@ class DiskTier(ColdMedium):
 
     def remove(self, block_hash: int) -> bool:
         with self._lock:
-            size = self._index.pop(block_hash, None)
+            size = self._forget_locked(block_hash)
             if size is not None:
-                self._used -= size
                 self._lru.remove(block_hash)
         if size is not None:
             self._unlink(fmt.block_name(block_hash))
@@ -413,6 +479,9 @@ class DiskTier(ColdMedium):
             pass
 
     def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.stop()
+            self._sweeper = None
         if self._dir_fd is not None:
             os.close(self._dir_fd)
             self._dir_fd = None
@@ -426,14 +495,21 @@ class DiskTier(ColdMedium):
                 healthy=self.healthy,
                 writes_enabled=self.writes_enabled,
                 reason=self.reason,
+                undecodable_blocks=len(self._undecodable),
+                old_key_blocks=len(self._old_key),
                 **self._c,
             )
 
 
 def _create(ctx: MediumContext, options: Mapping[str, Any]) -> DiskTier:
-    """Options: `dir` (the tier's root directory) and `capacity_bytes`."""
+    """Options: `dir` (the tier's root directory), `capacity_bytes`, `ttl_s` (0: no TTL)."""
     return DiskTier(
-        options["dir"], ctx.fingerprint, int(options["capacity_bytes"]), faults=ctx.faults, codec=ctx.codec
+        options["dir"],
+        ctx.fingerprint,
+        int(options["capacity_bytes"]),
+        faults=ctx.faults,
+        codec=ctx.codec,
+        ttl_s=float(options.get("ttl_s", 0.0)),
     )
 
 

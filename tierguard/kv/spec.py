@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from tierguard.common.errors import TierguardError
+from tierguard.kv.block_format import is_fingerprint  # noqa: F401 - re-exported: the fingerprint's shape
 
 # A payload part starts on this boundary so a uint8 view can be reinterpreted as any dtype.
 PART_ALIGN = 16
@@ -134,10 +135,6 @@ def fingerprint(
 def fingerprint_salt(fp: str) -> int:
     """The fingerprint as the 64-bit parent of a sequence's first block hash."""
     return int(fp, 16)
-
-
-def is_fingerprint(text: str) -> bool:
-    return len(text) == 16 and all(c in "0123456789abcdef" for c in text)
 
 
 @dataclass

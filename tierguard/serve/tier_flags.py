@@ -57,6 +57,27 @@ def add_tier_flags(p: argparse.ArgumentParser) -> None:
         "disk gets half of it, then interactive recomputes and batch keeps waiting",
     )
     g.add_argument(
+        "--kv-encrypt-key-file",
+        default=None,
+        metavar="PATH",
+        help="AES-256-GCM key (32 bytes: raw, hex or base64; mode 0600) sealing every KV block a cold "
+        "tier stores (disk, remote); the same kind of file as the gate's --encrypt-key-file. A block "
+        "no configured key opens is a miss (recomputed), never an error",
+    )
+    g.add_argument(
+        "--kv-encrypt-old-key-file",
+        default=None,
+        metavar="PATH",
+        help="the previous key during a rotation: its blocks are read and resealed with the new key",
+    )
+    g.add_argument(
+        "--kv-disk-ttl-s",
+        type=float,
+        default=0.0,
+        help="delete disk-tier blocks not written or read for this many seconds (a sweeper; default 0: "
+        "only the byte budget removes them; see also `tierguard kv purge`)",
+    )
+    g.add_argument(
         "--kv-naive-sync-disk",
         action="store_true",
         help="BENCHMARK ONLY: spill running sequences' KV to the disk tier and read it back "
@@ -124,7 +145,9 @@ def tier_kwargs(args: argparse.Namespace) -> dict:
     if naive and disk_dir is None:
         raise TierguardError("--kv-naive-sync-disk needs a disk tier (--kv-disk-dir and --kv-disk-gib)")
     budgets = getattr(args, "ttft_budget_ms", None)
+    at_rest = _at_rest_kwargs(args, disk_dir is not None, naive)
     return {
+        **at_rest,
         "kv_host_gib": host,
         "kv_disk_dir": disk_dir,
         "kv_disk_gib": disk_gib,
@@ -132,3 +155,56 @@ def tier_kwargs(args: argparse.Namespace) -> dict:
         "naive_sync_disk": naive,
         **remote,
     }
+
+
+def _at_rest_kwargs(args: argparse.Namespace, has_disk: bool, naive: bool) -> dict:
+    """--kv-encrypt-key-file, --kv-encrypt-old-key-file, --kv-disk-ttl-s, checked now (a
+    loose, missing or malformed key file is refused before the model loads, as the gate does)."""
+    key = getattr(args, "kv_encrypt_key_file", None)
+    old = getattr(args, "kv_encrypt_old_key_file", None)
+    ttl = getattr(args, "kv_disk_ttl_s", 0.0) or 0.0
+    if old is not None and key is None:
+        raise TierguardError(
+            "--kv-encrypt-old-key-file needs --kv-encrypt-key-file (the key new blocks are sealed with)"
+        )
+    if key is not None and naive:
+        raise TierguardError(
+            "--kv-naive-sync-disk (a benchmark mode) spills unencrypted; drop --kv-encrypt-key-file"
+        )
+    if key is not None:
+        from tierguard.common.crypto import Key
+
+        for path in (key, old):
+            if path is not None:
+                Key.from_file(path)
+    if not (0 <= ttl < float("inf")):
+        raise TierguardError(f"--kv-disk-ttl-s must be a non-negative number of seconds, got {ttl}")
+    if ttl > 0 and not has_disk:
+        raise TierguardError("--kv-disk-ttl-s needs a disk tier (--kv-disk-dir and --kv-disk-gib)")
+    out: dict = {}
+    if key is not None:
+        out["kv_encrypt_key_file"] = key
+        out["kv_encrypt_old_key_file"] = old
+    if ttl > 0:
+        out["kv_disk_ttl_s"] = ttl
+    return out
+
+
+def describe_at_rest(args: argparse.Namespace) -> tuple[int, str] | None:
+    """(log level, line) saying how KV blocks are kept at rest; None without a disk tier."""
+    import logging
+
+    if getattr(args, "kv_disk_dir", None) is None:
+        return None
+    ttl = getattr(args, "kv_disk_ttl_s", 0.0) or 0.0
+    kept = f"deleted after {ttl:g} s untouched" if ttl > 0 else "kept until the byte budget evicts them"
+    key = getattr(args, "kv_encrypt_key_file", None)
+    if key is None:
+        return logging.WARNING, (
+            f"KV blocks in {args.kv_disk_dir} are stored unencrypted ({kept}); "
+            "pass --kv-encrypt-key-file to encrypt them"
+        )
+    from tierguard.common.crypto import Key
+
+    key_id = Key.from_file(key).id_hex
+    return logging.INFO, f"KV blocks in {args.kv_disk_dir}: AES-256-GCM, key {key_id} ({kept})"
