@@ -28,6 +28,16 @@ async def _client_loop(s: aiohttp.ClientSession, url: str, stop: asyncio.Event, 
             await asyncio.sleep(0.05)
 
 
+async def _shared_up(s: aiohttp.ClientSession, *gates: GateProcess, timeout_s: float = 5.0) -> None:
+    """Wait until every gate says its shared state is up: on a loaded host a gate's first
+    Redis call can time out, and until a renewal answers it admits within a local share."""
+    deadline = time.monotonic() + timeout_s
+    for g in gates:
+        while not (await get_json(s, g.url + "/health"))[1]["shared_state"]["up"]:
+            assert time.monotonic() < deadline, f"{g.url}: shared state never came up"
+            await asyncio.sleep(0.05)
+
+
 async def _watch_upstream(s: aiohttp.ClientSession, base: str, stop: asyncio.Event, rows: list) -> None:
     while not stop.is_set():
         rows.append((time.monotonic(), (await get_json(s, base + "/health"))[1]["active"]))
@@ -43,6 +53,7 @@ def test_two_gates_share_the_limit_and_a_killed_gates_slots_return_within_the_le
 
         async def main():
             async with aiohttp.ClientSession() as s:
+                await _shared_up(s, a, b)
                 stop_a, stop_b, stop_watch = asyncio.Event(), asyncio.Event(), asyncio.Event()
                 got_a, got_b, rows = [], [], []
                 watch = asyncio.create_task(_watch_upstream(s, up.base_url, stop_watch, rows))
@@ -93,6 +104,7 @@ def test_redis_killed_mid_run_fails_no_request_and_says_degraded(tmp_path, redis
 
         async def main():
             async with aiohttp.ClientSession() as s:
+                await _shared_up(s, gate)
                 stop, statuses = asyncio.Event(), []
                 flood = [asyncio.create_task(_client_loop(s, gate.url + "/v1/completions", stop, statuses))
                          for _ in range(2 * LIMIT)]

@@ -34,6 +34,18 @@ async def _hold(gate: SharedAdmission, info: RequestInfo, seconds: float, runnin
     return time.monotonic() - t0
 
 
+async def _start_up(*gates: SharedAdmission, timeout_s: float = 5.0) -> None:
+    """Start the gates and wait until each is up and counts them all live: on a loaded host
+    a gate's first call can time out, and that gate joins a renewal later (still correct,
+    but the test is about shared limits, so it waits for them)."""
+    for g in gates:
+        await g.start()
+    deadline = time.monotonic() + timeout_s
+    while not all(g.up and g.counters.live_gates == len(gates) for g in gates):
+        assert time.monotonic() < deadline, [(g.up, g.counters.live_gates) for g in gates]
+        await asyncio.sleep(0.05)
+
+
 async def _slots_drain(gate: SharedAdmission, timeout_s: float = 3.0) -> dict:
     """Releases go to Redis in the background: poll the counts until no slot is held (or time out)."""
     deadline = time.monotonic() + timeout_s
@@ -47,8 +59,7 @@ async def _slots_drain(gate: SharedAdmission, timeout_s: float = 3.0) -> dict:
 def test_two_gates_never_run_more_than_the_shared_limit(redis_server):
     async def main():
         a, b = _gate(redis_server.url, "t1", max_concurrency=3), _gate(redis_server.url, "t1", max_concurrency=3)
-        await a.start()
-        await b.start()
+        await _start_up(a, b)
         running = {"now": 0, "max": 0}
         jobs = [_hold(g, RequestInfo(10), 0.05, running) for g in (a, b) for _ in range(8)]
         waited = await asyncio.gather(*jobs)
@@ -70,8 +81,7 @@ def test_queue_bound_and_class_order_are_fleet_wide(redis_server):
     async def main():
         kw = dict(max_concurrency=1, max_queue=2, max_long=1, long_threshold=1000)
         a, b = _gate(redis_server.url, "t2", **kw), _gate(redis_server.url, "t2", **kw)
-        await a.start()
-        await b.start()
+        await _start_up(a, b)
         held = await a.acquire(RequestInfo(10))
         order: list[str] = []
 
@@ -105,7 +115,7 @@ def test_slots_of_a_gate_that_stopped_renewing_come_back_within_the_lease(redis_
     async def main():
         lease_ms = 600
         gate = _gate(redis_server.url, "t3", lease_ms=lease_ms, max_concurrency=2)
-        await gate.start()
+        await _start_up(gate)
         # a "dead gate": it took both slots and never renews or releases them
         dead = LeaseStore(redis_server.url, prefix="t3", lease_ms=lease_ms, timeout_s=0.2)
         for _ in range(2):
@@ -127,14 +137,7 @@ def test_redis_killed_falls_back_to_the_local_share_and_recovers(redis_server):
     async def main():
         kw = dict(max_concurrency=4, max_long=2, max_queue_wait_ms=2000)
         a, b = _gate(redis_server.url, "t4", lease_ms=900, **kw), _gate(redis_server.url, "t4", lease_ms=900, **kw)
-        await a.start()
-        await b.start()
-        # a renewal each until both are up and count two live gates (on a loaded host the
-        # first call can time out, and that gate joins a renewal later)
-        deadline = time.monotonic() + 5
-        while not (a.up and b.up and a.counters.live_gates == b.counters.live_gates == 2):
-            assert time.monotonic() < deadline, (a.up, b.up, a.counters.live_gates, b.counters.live_gates)
-            await asyncio.sleep(0.05)
+        await _start_up(a, b)
         held = [await a.acquire(RequestInfo(10)) for _ in range(4)]
         queued = asyncio.create_task(a.acquire(RequestInfo(10)))  # the 5th waits in the shared queue
         await asyncio.sleep(0.1)
