@@ -100,7 +100,11 @@ def test_step_budget_learns_and_caps():
     budget.observe(2, 0, 0.040)  # two decodes: 40 ms
     assert budget.ms_per_prefill_token == pytest.approx(2.0)
     assert budget.prefill_tokens(2, 512) == 30  # (100 - 40) / 2
-    assert budget.prefill_tokens(4, 512) == 16  # estimated 80 ms for 4: 10 tokens -> the minimum
+    # estimated 80 ms for 4: 20 ms of target left, but prefills get as long as the decodes
+    assert budget.prefill_tokens(4, 512) == 40
+    budget.prefill_share = 0.0  # without the share: 10 tokens -> the minimum
+    assert budget.prefill_tokens(4, 512) == 16
+    budget.prefill_share = 1.0
     budget.observe(2, 30, 0.100)  # 60 ms for 30 tokens beside 40 ms of decodes
     assert budget.ms_per_prefill_token == pytest.approx(2.0)
     assert StepBudget(0.0).prefill_tokens(5, 512) == 512  # off
@@ -118,12 +122,14 @@ def test_prefill_beside_decodes_is_chunked_to_the_target(tiny_dir):
     engine.add_request(
         "b", prompt_ids(2, 100), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     )
-    for decode_ms in (0.0, 0.0, 60.0):
+    for decode_ms, share in ((0.0, 1.0), (0.0, 1.0), (60.0, 1.0), (60.0, 0.0)):
         budget.ms_per_prefill_token, budget.decode_ms = 5.0, {1: decode_ms}  # hold the estimate
+        budget.prefill_share = share
         engine.step()
     # 50 ms / 5 ms per token = 10 tokens beside the decode; when the decode alone takes
-    # longer than the target, the minimum (the block size, 4) still goes in
-    assert [p for d, p in seen[1:]] == [10, 10, 4]
+    # longer than the target, prefill gets as long as the decode (60 ms: 12 tokens), and
+    # with no share the minimum (the block size, 4) still goes in
+    assert [p for d, p in seen[1:]] == [10, 10, 12, 4]
     assert all(d == 1 for d, _p in seen[1:])
     engine.scheduler.step_budget = StepBudget(0.0)
     while engine.has_unfinished():

@@ -6,12 +6,17 @@ a decode step (SmolLM2 on 2 cores: ~870 ms), and `tierguard sweep` put the bound
 one stream. Decodes go first and are never cut; prefill chunks are sized from what the
 steps themselves took:
 
-    prefill tokens = (target - decode step time at this batch) / prefill time per token
+    step time  = max(target, (1 + prefill_share) x decode step time at this batch)
+    prefill tokens = (step time - decode step time) / prefill time per token
 
 both learned as moving averages of the engine's own steps (decode-only steps give the
 first, steps with prefill the second, after their decode part is taken off). A step
-without decodes is not limited (no stream waits on it); with decodes at least
-`min_tokens` go in, so prefills progress even when decoding alone exceeds the target.
+without decodes is not limited (no stream waits on it). When the decodes alone take
+about the target or more (a large batch, a slow CPU), a fixed target would starve the
+prefills: at 8 streams of SmolLM2 on 2 cores the decodes took ~150 ms, prefills got the
+16-token minimum, and output fell to 18 tok/s (29 with no budget at all). So prefills
+always get `prefill_share` of the decode time: the gap grows by at most that factor
+over a decode-only step, and new requests keep flowing in.
 Policy only: the scheduler asks, the engine reports each step.
 """
 
@@ -28,6 +33,7 @@ UNMEASURED_CHUNK = 64
 class StepBudget:
     target_ms: float = 0.0  # 0: no limit
     min_tokens: int = 16
+    prefill_share: float = 1.0  # prefill time allowed per step, as a fraction of the decode time
     alpha: float = 0.25  # weight of the newest step in the moving averages
     ms_per_prefill_token: float | None = None
     decode_ms: dict[int, float] = field(default_factory=dict)  # decode-only step time by batch size
@@ -52,7 +58,8 @@ class StepBudget:
             return limit
         if self.ms_per_prefill_token is None:
             return min(limit, UNMEASURED_CHUNK)
-        room = self.target_ms - self.decode_step_ms(num_decodes)
+        decode = self.decode_step_ms(num_decodes)
+        room = max(self.target_ms, (1.0 + self.prefill_share) * decode) - decode
         return min(limit, max(self.min_tokens, int(room / self.ms_per_prefill_token)))
 
     def observe(self, num_decodes: int, prefill_tokens: int, seconds: float) -> None:
