@@ -233,7 +233,10 @@ def start_llamacpp(name: str, gguf: Path, args) -> tuple[Server, str, dict]:
     port = _free_port()
     cmd = [args.llamacpp_python, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
            "--port", str(port), "--n_ctx", "2048", "--n_threads", str(args.threads),
-           "--n_threads_batch", str(args.threads), "--model_alias", "bench"]
+           "--n_threads_batch", str(args.threads), "--model_alias", "bench",
+           # its default cancels the running stream when another request arrives: with
+           # it, every level above 1 measured "no content delivered" instead of queueing
+           "--interrupt_requests", "False"]
     srv = Server(name, cmd, dict(os.environ))
     url = f"http://127.0.0.1:{port}"
     if not asyncio.run(_wait_ready(url, srv.proc, args.start_timeout)):

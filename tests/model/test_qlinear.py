@@ -95,3 +95,24 @@ def test_kernel_refuses_more_rows_than_it_takes():
     layer = Int8Linear.from_float(torch.randn(16, 16))
     with pytest.raises(RuntimeError, match="refused"):
         native.gemv_int8(torch.randn(9, 16), layer.qweight, layer.scale)
+
+
+@pytest.mark.skipif(not native.available(), reason="no C compiler: the kernels are not built")
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9])  # the float32 GEMV for <= 8 rows, F.linear past it
+@pytest.mark.parametrize("k", [96, 100])  # a K that is not a multiple of the 32-wide unrolled loop
+def test_float_linear_gemv_equals_f_linear(rows, k):
+    from tierguard.model.layers import Linear, matmul_weight_t
+
+    gen = torch.Generator().manual_seed(rows + k)
+    layer = Linear(k, 70, bias=True)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(70, k, generator=gen))
+        layer.bias.copy_(torch.randn(70, generator=gen))
+    x = torch.randn(2, rows, k, generator=gen)[1]  # a row-major view, not the storage's start
+    ref = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    with torch.inference_mode():
+        out = layer(x)
+        tied = matmul_weight_t(x, layer.weight)
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(tied, ref - layer.bias, rtol=1e-5, atol=1e-4)

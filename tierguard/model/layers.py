@@ -16,6 +16,32 @@ from tierguard.common.errors import TierguardError
 from tierguard.model import native
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose few-row float32 CPU matmul (a decode step) is the C GEMV.
+
+    Why: a batch-1 step reads every weight once; on SmolLM2's layer shapes torch's GEMV
+    read about 7 GB/s here and the C loop 14 GB/s (cpu_kernels.c, tg_gemv_f32), which
+    is most of a float32 step. Other shapes, dtypes and devices use F.linear.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if rows <= native.MAX_GEMV_ROWS and native.fused_ok(x, self.weight):
+            y = native.gemv_f32(x.reshape(rows, self.in_features), self.weight)
+            if self.bias is not None:
+                y += self.bias
+            return y.view(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.weight, self.bias)
+
+
+def matmul_weight_t(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T (the tied lm_head), through the C GEMV where Linear would use it."""
+    rows = x.numel() // weight.shape[1]
+    if rows <= native.MAX_GEMV_ROWS and native.fused_ok(x, weight):
+        return native.gemv_f32(x.reshape(rows, weight.shape[1]), weight).view(*x.shape[:-1], weight.shape[0])
+    return x @ weight.t()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -111,8 +137,8 @@ class SwiGLU(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)

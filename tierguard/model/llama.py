@@ -14,7 +14,7 @@ from torch import nn
 
 from tierguard.model.attention import AttentionMetadata, paged_attention
 from tierguard.model.config import ModelConfig
-from tierguard.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+from tierguard.model.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary, matmul_weight_t
 from tierguard.model.qlinear import QuantEmbedding
 
 
@@ -34,8 +34,8 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -88,7 +88,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = (
-            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, device
@@ -120,7 +120,7 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         if isinstance(head, nn.Embedding | nn.Linear):
-            return hidden @ head.weight.t()
+            return matmul_weight_t(hidden, head.weight)
         if isinstance(head, QuantEmbedding):  # tied and quantized: the same matrix
             return head.linear(hidden)
         return head(hidden)

@@ -143,7 +143,14 @@ def load_model(
             if not quant.place_from_source(model, name, parts):
                 quant.place(model, name, ckpt.read(parts))
         else:
-            set_tensor(model, name, ckpt.read(parts).to(device=dev, dtype=torch_dtype))
+            tensor = ckpt.read(parts).to(device=dev, dtype=torch_dtype)
+            if quant is not None and tensor.device.type == "cpu":
+                # safetensors hands out views of its memory map, and one kept view (a norm)
+                # keeps the whole file mapped: every page the quantizer read stays in RSS
+                # beside the int8/int4 copy. A quantized model owns its few float tensors.
+                tensor = tensor.clone()
+            set_tensor(model, name, tensor)
+    del ckpt  # the file mappings go with the last reference
     finish_load(model, cfg, dev, quant)
     model.weight_dtype = weight_dtype
     return model, cfg, torch_dtype, dev

@@ -35,7 +35,7 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # on flush-to-zero for the whole process (Python floats included) when the library loads.
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c99"]
 LINK_FLAGS = ["-shared", "-fopenmp"]
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 
 class DecodeArgs(ctypes.Structure):
@@ -136,6 +136,8 @@ def library() -> ctypes.CDLL | None:
     lib.tg_decode_attention_f32.argtypes = [ctypes.POINTER(DecodeArgs)]
     lib.tg_decode_attention_f32.restype = ctypes.c_int
     p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.tg_gemv_f32.argtypes = [p, i64, i64, p, i64, p, i64]
+    lib.tg_gemv_f32.restype = ctypes.c_int
     lib.tg_gemv_int8.argtypes = [p, i64, i64, p, p, i64, p, i64]
     lib.tg_gemv_int8.restype = ctypes.c_int
     lib.tg_gemv_int4.argtypes = [p, i64, i64, p, p, p, i64, i64, p, i64]
@@ -225,6 +227,16 @@ class DecodeCall:
 
 # -- weight-only int8 / int4 matmuls (tierguard/model/qlinear.py holds the layouts) ------
 MAX_GEMV_ROWS = 8  # TG_MAX_M in cpu_kernels.c
+
+
+def gemv_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M <= 8, K] float32 contiguous; w float32 [N, K] contiguous. Returns [M, N]."""
+    m, k = x.shape
+    n = w.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    if library().tg_gemv_f32(x.data_ptr(), m, k, w.data_ptr(), n, y.data_ptr(), n) != 0:
+        raise RuntimeError(f"tg_gemv_f32 refused shape M={m}")
+    return y
 
 
 def gemv_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
