@@ -31,7 +31,7 @@ def layer_and_weight(request):
     return Int4Linear.from_float(w, 32, bias), w
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])  # kernel sizes, and the blocked path past 8 rows
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 40, 64, 65])  # 8-row kernel chunks up to 64, blocked past it
 def test_forward_equals_dequantized_matmul(layer_and_weight, rows):
     layer, _w = layer_and_weight
     x = torch.randn(rows, layer.in_features, generator=torch.Generator().manual_seed(rows))
@@ -94,7 +94,9 @@ def test_quantizers_round_trip_exact_grids():
 def test_kernel_refuses_more_rows_than_it_takes():
     layer = Int8Linear.from_float(torch.randn(16, 16))
     with pytest.raises(RuntimeError, match="refused"):
-        native.gemv_int8(torch.randn(9, 16), layer.qweight, layer.scale)
+        native.gemv_int8(torch.randn(native.MAX_QUANT_GEMV_ROWS + 1, 16), layer.qweight, layer.scale)
+    with pytest.raises(RuntimeError, match="refused"):
+        native.gemv_f32(torch.randn(native.MAX_GEMV_ROWS + 1, 16), torch.randn(16, 16))
 
 
 @pytest.mark.skipif(not native.available(), reason="no C compiler: the kernels are not built")

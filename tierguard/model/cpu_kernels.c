@@ -378,14 +378,24 @@ static inline void gemv_int4_rows(const float *x, int M, int64_t K, const uint8_
     default: { const int M = 8; CALL; } break;                                           \
     }
 
+/* Up to TG_MAX_BATCH activation rows (a batch of decodes): per block of 16 weight rows,
+ * chunks of TG_MAX_M activation rows in turn, so the block is read from memory once and
+ * from cache for the later chunks (quantized weights are widened once per chunk). */
+#define TG_MAX_BATCH 64
+#define TG_CHUNKS(CALL)                                                                  \
+    for (int64_t m0 = 0; m0 < M_all; m0 += TG_MAX_M) {                                   \
+        const int64_t M = M_all - m0 < TG_MAX_M ? M_all - m0 : TG_MAX_M;                 \
+        TG_SPLIT(CALL)                                                                   \
+    }
+
 /* Returns 0, or -1 for shapes the kernel does not take (the caller uses torch then). */
-int tg_gemv_int8(const float *x, int64_t M, int64_t K, const int8_t *w, const float *scale, int64_t N,
+int tg_gemv_int8(const float *x, int64_t M_all, int64_t K, const int8_t *w, const float *scale, int64_t N,
                  float *y, int64_t ldy) {
-    if (M < 1 || M > TG_MAX_M) return -1;
+    if (M_all < 1 || M_all > TG_MAX_BATCH) return -1;
 #pragma omp parallel for schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += 16) {
         const int64_t n1 = n0 + 16 < N ? n0 + 16 : N;
-        TG_SPLIT(gemv_int8_rows(x, M, K, w, scale, n0, n1, y, ldy))
+        TG_CHUNKS(gemv_int8_rows(x + m0 * K, M, K, w, scale, n0, n1, y + m0 * ldy, ldy))
     }
     return 0;
 }
@@ -400,13 +410,13 @@ int tg_gemv_f32(const float *x, int64_t M, int64_t K, const float *w, int64_t N,
     return 0;
 }
 
-int tg_gemv_int4(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *scale,
+int tg_gemv_int4(const float *x, int64_t M_all, int64_t K, const uint8_t *w, const uint16_t *scale,
                  const uint16_t *lo, int64_t G, int64_t N, float *y, int64_t ldy) {
-    if (M < 1 || M > TG_MAX_M || G % 16 != 0 || K % G != 0) return -1;
+    if (M_all < 1 || M_all > TG_MAX_BATCH || G % 16 != 0 || K % G != 0) return -1;
     const int64_t ng = K / G;
-    float *xsum = malloc(sizeof(float) * M * ng); /* sum of x over each group: the lo term */
+    float *xsum = malloc(sizeof(float) * M_all * ng); /* sum of x over each group: the lo term */
     if (!xsum) return -1;
-    for (int64_t m = 0; m < M; m++)
+    for (int64_t m = 0; m < M_all; m++)
         for (int64_t g = 0; g < ng; g++) {
             float s = 0.f;
             for (int64_t j = 0; j < G; j++) s += x[m * K + g * G + j];
@@ -415,7 +425,7 @@ int tg_gemv_int4(const float *x, int64_t M, int64_t K, const uint8_t *w, const u
 #pragma omp parallel for schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += 16) {
         const int64_t n1 = n0 + 16 < N ? n0 + 16 : N;
-        TG_SPLIT(gemv_int4_rows(x, M, K, w, scale, lo, G, xsum, n0, n1, y, ldy))
+        TG_CHUNKS(gemv_int4_rows(x + m0 * K, M, K, w, scale, lo, G, xsum + m0 * ng, n0, n1, y + m0 * ldy, ldy))
     }
     free(xsum);
     return 0;
@@ -482,4 +492,4 @@ void tg_silu_mul(const float *gu, float *out, int64_t rows, int64_t inter) {
     }
 }
 
-int tg_abi_version(void) { return 4; }
+int tg_abi_version(void) { return 5; }

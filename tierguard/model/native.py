@@ -35,7 +35,7 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # on flush-to-zero for the whole process (Python floats included) when the library loads.
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c99"]
 LINK_FLAGS = ["-shared", "-fopenmp"]
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 
 class DecodeArgs(ctypes.Structure):
@@ -227,6 +227,7 @@ class DecodeCall:
 
 # -- weight-only int8 / int4 matmuls (tierguard/model/qlinear.py holds the layouts) ------
 MAX_GEMV_ROWS = 8  # TG_MAX_M in cpu_kernels.c
+MAX_QUANT_GEMV_ROWS = 64  # TG_MAX_BATCH: int8/int4 rows in chunks of 8, each weight block read once
 
 
 def gemv_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -240,7 +241,7 @@ def gemv_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def gemv_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [M <= 8, K] float32 contiguous; q int8 [N, K]; scale float32 [N]. Returns [M, N]."""
+    """x [M <= 64, K] float32 contiguous; q int8 [N, K]; scale float32 [N]. Returns [M, N]."""
     m, k = x.shape
     n = q.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
@@ -253,7 +254,7 @@ def gemv_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Te
 def gemv_int4(
     x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, group: int
 ) -> torch.Tensor:
-    """x [M <= 8, K] float32 contiguous; q uint8 [N, K / 2]; scale, lo float16 [N, K / group]."""
+    """x [M <= 64, K] float32 contiguous; q uint8 [N, K / 2]; scale, lo float16 [N, K / group]."""
     m, k = x.shape
     n = q.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)

@@ -10,7 +10,7 @@ the memory bandwidth. int8 cuts the float32 bytes ~4x, int4 ~6x (scales included
           blocks load unchanged (scale = d, lo = m) and Q4_0 ones too (scale = d, lo = -8 d)
 
 The matmul never dequantizes the whole weight for a decode step. On the CPU, up to
-`native.MAX_GEMV_ROWS` activation rows go to the C kernels (cpu_kernels.c: each weight
+`gemv_rows` (64) activation rows go to the C kernels (cpu_kernels.c: each weight
 byte read once, widened in registers, float32 activations and sums), which are bound by
 memory bandwidth; more rows (prefill, large batches) dequantize `BLOCK_ROWS` output rows
 at a time into a small float32 buffer that torch's GEMM multiplies while it is in cache.
@@ -73,6 +73,12 @@ def unpack_int4(packed: torch.Tensor, group: int) -> torch.Tensor:
 class QuantLinear(nn.Module):
     """Common part: shapes, optional float bias, the many-rows path, byte count."""
 
+    # Rows up to which the C GEMV (8 rows at a time over each cached weight block) is used
+    # instead of dequantize-then-GEMM. SmolLM2, 2 cores, decode batch 32
+    # (`python -m tierguard.engine.speed --batch 32 --weight-dtype int8`): int8 61 -> 162
+    # tok/s, int4 55 -> 118 tok/s with 64 instead of 8.
+    gemv_rows = native.MAX_QUANT_GEMV_ROWS
+
     in_features: int
     out_features: int
     bias: nn.Parameter | None
@@ -81,7 +87,7 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.device.type == "cpu" and native.available():
             xf = x2.float().contiguous()
-            if xf.shape[0] <= native.MAX_GEMV_ROWS:
+            if xf.shape[0] <= self.gemv_rows:
                 y = self._gemv(xf)
             else:
                 y = self._blocked(xf, self._dequant_native)
