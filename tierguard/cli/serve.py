@@ -155,6 +155,13 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     return kwargs
 
 
+def _weights_label(engine, args: argparse.Namespace) -> str:
+    """int8 / int4, else the dtype the weights were loaded in (--dtype auto resolved)."""
+    if args.weight_dtype != "auto":
+        return args.weight_dtype
+    return str(engine.engine.runner.dtype).removeprefix("torch.")
+
+
 def run(args: argparse.Namespace) -> int:
     _validate(args)
     args.admission = policy_from_args(args, args.admission_config)  # refused here, before the model loads
@@ -215,7 +222,7 @@ async def _serve(engine, args: argparse.Namespace, model_name: str) -> int:
         print(
             f"{READY_PREFIX}http://{args.host}:{port} (model {model_name}, "
             f"max_model_len {engine.max_model_len}, kv blocks {stats.kv_blocks_total}, "
-            f"weights {weights:.1f} MB {args.weight_dtype if args.weight_dtype != 'auto' else args.dtype})",
+            f"weights {weights:.1f} MB {_weights_label(engine, args)})",
             flush=True,
         )
         rule = state.token_bytes
