@@ -53,7 +53,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from serve_vs_transformers import READY, Server, Stream, _free_port, _ms, _pct, one_stream  # noqa: E402
+from serve_vs_transformers import READY, Server, Stream, _free_port, _ms, _pct, _wait_health, one_stream  # noqa: E402
 from validity import Validity, count_errors  # noqa: E402
 
 LOG_DIR = Path(tempfile.gettempdir()) / "tierguard_bench_logs"
@@ -215,20 +215,6 @@ async def _weights(url: str) -> dict:
     return out
 
 
-async def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> bool:
-    deadline = time.time() + timeout
-    async with aiohttp.ClientSession() as s:
-        while time.time() < deadline and proc.poll() is None:
-            try:
-                async with s.get(url + "/v1/models", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                    if r.status == 200:
-                        return True
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                pass
-            await asyncio.sleep(0.5)
-    return False
-
-
 def start_llamacpp(name: str, gguf: Path, args) -> tuple[Server, str, dict]:
     port = _free_port()
     cmd = [args.llamacpp_python, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
@@ -239,7 +225,7 @@ def start_llamacpp(name: str, gguf: Path, args) -> tuple[Server, str, dict]:
            "--interrupt_requests", "False"]
     srv = Server(name, cmd, dict(os.environ))
     url = f"http://127.0.0.1:{port}"
-    if not asyncio.run(_wait_ready(url, srv.proc, args.start_timeout)):
+    if not asyncio.run(_wait_health(url, srv.proc, args.start_timeout, "/v1/models")):
         srv.stop()
         raise RuntimeError(f"{name} did not start: {(LOG_DIR / (name + '.log')).read_text()[-400:]}")
     return srv, url, {"gguf": str(gguf), "rss_after_load_mb": rss_mb(srv.proc.pid)}

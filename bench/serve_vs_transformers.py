@@ -234,12 +234,13 @@ def start_tierguard(model_dir: Path, args: argparse.Namespace) -> tuple[Server, 
     raise SystemExit("tierguard serve did not become ready in time")
 
 
-async def _wait_health(url: str, proc: subprocess.Popen, timeout: float) -> bool:
+async def _wait_health(url: str, proc: subprocess.Popen, timeout: float, path: str = "/health") -> bool:
+    """Poll `url + path` until it answers 200 (True), the process exits or time runs out."""
     deadline = time.time() + timeout
     async with aiohttp.ClientSession() as s:
         while time.time() < deadline and proc.poll() is None:
             try:
-                async with s.get(url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                async with s.get(url + path, timeout=aiohttp.ClientTimeout(total=2)) as r:
                     if r.status == 200:
                         return True
             except (aiohttp.ClientError, asyncio.TimeoutError):
