@@ -7,6 +7,8 @@ of a gate is in test_fleet_processes.py.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import pytest
@@ -191,6 +193,46 @@ def test_unreachable_at_start_never_hangs_and_admits_within_the_share():
         assert not gate.up and gate.counters.fallback_admissions == 2
         for t in tickets:
             gate.release(t)
+        await gate.close()
+
+    asyncio.run(main())
+
+
+def test_one_stall_is_not_an_outage_but_a_hung_redis_is(redis_server):
+    """Calls in flight when Redis stalls all time out together: that is one strike's worth
+    of evidence, not three (on CI such a stall dropped a gate to its local share while the
+    other held the fleet's slots). Redis hung for longer than three timeouts is an outage."""
+
+    async def main():
+        gate = _gate(redis_server.url, "t6", max_concurrency=8)  # timeout 0.2 s
+        await _start_up(gate)
+        os.kill(redis_server.proc.pid, signal.SIGSTOP)
+        try:
+            stalled = [asyncio.create_task(gate.acquire(RequestInfo(10))) for _ in range(4)]
+            await asyncio.sleep(0.3)  # every call in flight has timed out by now
+        finally:
+            os.kill(redis_server.proc.pid, signal.SIGCONT)
+        tickets = await asyncio.wait_for(asyncio.gather(*stalled), 5)
+        assert gate.counters.errors >= 3  # several calls failed in the stall
+        assert gate.up and gate.counters.fallback_admissions == 0
+        assert (await gate.store.counts())["slots"] == 4  # all four hold fleet-wide leases
+        for t in tickets:
+            gate.release(t)
+
+        os.kill(redis_server.proc.pid, signal.SIGSTOP)  # now hung for good
+        try:
+            t0 = time.monotonic()
+            ticket = await asyncio.wait_for(gate.acquire(RequestInfo(10)), 5)
+            waited = time.monotonic() - t0
+            assert not gate.up and gate.counters.fallback_admissions == 1
+            assert waited >= 2 * 0.2  # three timeouts' span, not the first one
+            gate.release(ticket)
+        finally:
+            os.kill(redis_server.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 5
+        while not gate.up:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
         await gate.close()
 
     asyncio.run(main())

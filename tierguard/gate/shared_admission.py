@@ -7,8 +7,9 @@ the proxy and the job runner do not know which one they hold. `--max-concurrency
 counts this gate's own requests (for /metrics) and is the fallback.
 
 Redis unreachable (a refused or broken connection at once; answers slower than
-`--shared-timeout-ms` three times in a row, so one slow answer on a busy host is not an
-outage): the gate falls back to local limits, a SHARE of the fleet's: each limit divided
+`--shared-timeout-ms` three times in a row over at least three timeouts, so one slow
+answer on a busy host is not an outage, nor is one stall that fails many concurrent calls
+at once): the gate falls back to local limits, a SHARE of the fleet's: each limit divided
 by the number of gates last seen alive in Redis (at least `--shared-gates`), so N gates
 that all lose Redis still send the upstream about the fleet limit, and nothing fails or
 hangs because Redis went away. Waiters in the shared queue move to the local queue within
@@ -80,6 +81,7 @@ class SharedAdmission:
         self.min_gates = min_gates
         self.up = False  # until the first renewal answers
         self._strikes = 0  # failed Redis calls in a row
+        self._first_strike = 0.0  # time.monotonic() of the first of them
         self._reached = False  # start() made its first call: later recoveries are logged
         self._expiry_due = math.inf  # time.monotonic() when the oldest known slot lease expires
         self.counters = SharedCounters()
@@ -220,13 +222,15 @@ class SharedAdmission:
                 self._fail_waiters(SharedDown("shared state unreachable"))
                 continue
             try:
-                await self._dispatch()
-                self._ok()
+                if await self._dispatch():  # only an answer clears the strikes: a pass with no
+                    self._ok()  # waiters asks nothing, and a hung Redis went unnoticed behind it
             except SharedDown as exc:
                 self._failed(exc)  # still up after a slow answer: the next pass asks again
 
-    async def _dispatch(self) -> None:
+    async def _dispatch(self) -> bool:
+        """Returns whether Redis was asked (and answered)."""
         p = self.policy
+        asked = False
         for queue in self._waiters:
             # Concurrent arrivals join Redis in an order their replies need not keep: ask in Redis's order,
             # or the first in line may never be asked while the ones behind it wait for it.
@@ -236,6 +240,7 @@ class SharedAdmission:
                     continue
                 r = await self.store.acquire(w.queue, w.klass == "long", lease, queued=True,
                                              max_concurrency=p.max_concurrency, max_long=p.max_long, max_queue=0)
+                asked = True
                 if r.status == -1 and not w.future.done():
                     # its place expired (this gate stalled past a lease time): back in line
                     r = await self.store.acquire(w.queue, w.klass == "long", lease, queued=False,
@@ -253,6 +258,7 @@ class SharedAdmission:
                         self._expiry_due = min(self._expiry_due, time.monotonic() + r.next_expiry_ms / 1000 + 0.002)
                     break  # FIFO: the ones behind it are not first either
                 w.future.set_result(self._adopt(w.klass, lease, time.monotonic() - w.enqueued_at, "queued"))
+        return asked
 
     # ---- local share -------------------------------------------------------------------
     async def _local(self, info: RequestInfo, max_wait_s: float | None) -> Ticket:
@@ -286,10 +292,17 @@ class SharedAdmission:
     # ---- Redis state -------------------------------------------------------------------
     def _failed(self, exc: SharedDown) -> bool:
         """Count a failed call; True when Redis is now taken as down: refused (nothing listens),
-        or SLOW_STRIKES slow answers in a row (one slow answer on a busy host is not an outage)."""
+        or SLOW_STRIKES slow answers in a row that span SLOW_STRIKES timeouts. One slow answer
+        on a busy host is not an outage, and neither is one stall: it fails every call in
+        flight at the same moment (seen on CI: 3 strikes within one timeout, a fallback to the
+        local share while the other gate held the fleet's slots, 4 running of 3)."""
         self.counters.errors += 1
+        now = time.monotonic()
+        if self._strikes == 0:
+            self._first_strike = now
         self._strikes += 1
-        if exc.refused or self._strikes >= SLOW_STRIKES or not self.up:
+        stalled = now - self._first_strike >= (SLOW_STRIKES - 1) * self.store.timeout_s
+        if exc.refused or (self._strikes >= SLOW_STRIKES and stalled) or not self.up:
             self._down(exc)
             return True
         return False
