@@ -12,6 +12,7 @@ Interrupted? Run the same command again: it resumes.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 from pathlib import Path
 
@@ -67,9 +68,13 @@ def real_model_section(console, run_dir: Path) -> None:
     with console.status("importing SmolLM2 from its GGUF (first run only)..."):
         resolve_model("smollm2")
     with console.status(f"kvcheck: int8 and fp8 vs the unquantized pool at {contexts} tokens..."):
-        # The engine's CPU default (half the cores): two threads on two busy cores ran
-        # several times slower than one.
-        spec = CheckSpec(model="smollm2", kv_dtypes=["int8", "fp8"], contexts=contexts, trials=20)
+        # Alone on the machine after the sweep: every core (the sweep's half-cores setting
+        # is in the environment for its servers).
+        from tierguard.engine.factory import default_threads
+
+        spec = CheckSpec(
+            model="smollm2", kv_dtypes=["int8", "fp8"], contexts=contexts, trials=20, threads=default_threads()
+        )
         doc = run_check(spec)
     write_outputs(doc, out)
     print_table(doc)
@@ -112,6 +117,13 @@ def run(args: argparse.Namespace) -> int:
         f"variants: {', '.join(v.name for v in demo.matrix.variants)}; "
         f"contexts {demo.matrix.profile.context_lengths}; ladder {demo.matrix.slices.ladder}"
     )
+    # The servers share the machine with the load generator that measures them: each gets
+    # half the cores (serve's own default is all of them, right for a server alone; with
+    # the client beside it, two threads on two busy cores made the whole sweep slower).
+    # An explicit TIERGUARD_NUM_THREADS wins.
+    from tierguard.engine.factory import default_threads
+
+    os.environ.setdefault("TIERGUARD_NUM_THREADS", str(max(1, default_threads() // 2)))
     code = run_sweep(demo.matrix, run_dir, matrix_text=None, report=False, show=False)
     if not args.no_real_model:
         real_model_section(console, run_dir)
