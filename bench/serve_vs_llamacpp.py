@@ -53,7 +53,17 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from serve_vs_transformers import READY, Server, Stream, _free_port, _ms, _pct, _wait_health, one_stream  # noqa: E402
+from serve_vs_transformers import (  # noqa: E402
+    READY,
+    Server,
+    Stream,
+    _free_port,
+    _ms,
+    _pct,
+    _wait_health,
+    one_stream,
+    settle,
+)
 from validity import Validity, count_errors  # noqa: E402
 
 LOG_DIR = Path(tempfile.gettempdir()) / "tierguard_bench_logs"
@@ -128,12 +138,7 @@ async def closed_loop(url: str, bodies: list[dict], concurrency: int, duration: 
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     wall = time.perf_counter() - t0
-    for st in streams:
-        if st.error is None and not st.events:
-            st.error = "no content delivered"
-    ok = [st for st in streams if st.error is None]
-    gaps = [b - a for st in ok for a, b in zip(st.events, st.events[1:], strict=False)]
-    ttft = [st.events[0] - st.started for st in ok]
+    ok, gaps, ttft = settle(streams)
     # Tokens delivered per stream: the server's usage where it reports one, else its content
     # events (one token each for every server here). Re-tokenizing the streamed text is kept
     # beside it: greedy text re-tokenizes into a few tokens fewer (merged whitespace runs).

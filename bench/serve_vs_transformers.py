@@ -60,6 +60,17 @@ class Stream:
     error: str | None = None
 
 
+def settle(streams: list[Stream]) -> tuple[list[Stream], list[float], list[float]]:
+    """A stream with no content is an error; returns the good ones, their inter-token gaps
+    and their TTFTs (seconds)."""
+    for st in streams:
+        if st.error is None and not st.events:
+            st.error = "no content delivered"
+    ok = [st for st in streams if st.error is None]
+    gaps = [b - a for st in ok for a, b in zip(st.events, st.events[1:], strict=False)]
+    return ok, gaps, [st.events[0] - st.started for st in ok]
+
+
 def _pct(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -140,12 +151,7 @@ async def run_level(url: str, bodies: list[dict], concurrency: int, count_tokens
         t0 = time.perf_counter()
         streams = await asyncio.gather(*(guarded(b) for b in bodies))
         wall = time.perf_counter() - t0
-    for st in streams:
-        if st.error is None and not st.events:
-            st.error = "no content delivered"
-    ok = [st for st in streams if st.error is None]
-    gaps = [b - a for st in ok for a, b in zip(st.events, st.events[1:], strict=False)]
-    ttft = [st.events[0] - st.started for st in ok if st.events]
+    ok, gaps, ttft = settle(streams)
     out_tokens = sum(count_tokens("".join(st.text)) for st in ok)  # our count, not the server's
     events = sum(len(st.events) for st in ok)
     errors = [st.error for st in streams if st.error]
