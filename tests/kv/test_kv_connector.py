@@ -71,6 +71,15 @@ class Rig:
             self.pool.release(b)
         seq.block_table = []
 
+    def persist_and_close(self, name: str, hashes: list[int]) -> Seq:
+        """A finished sequence whose blocks went through host RAM to disk; then this rig
+        stops (the tests that follow restart on the same disk)."""
+        seq = self.running_seq(name, hashes)
+        self.finish(seq)
+        self.settle()
+        self.conn.close()
+        return seq
+
     def settle(self) -> list:
         done: list = []
         wait_until(lambda: done.extend(self.conn.poll().finished_loads) or not self.conn.busy())
@@ -140,11 +149,7 @@ def test_persisted_prefix_survives_restart_and_loads_from_disk(tmp_path, layout,
 
 
 def test_corrupt_block_on_disk_truncates_the_load(tmp_path, layout, fp):
-    rig = Rig(tmp_path, layout, fp)
-    a = rig.running_seq("a", HASHES)
-    rig.finish(a)
-    rig.settle()
-    rig.conn.close()
+    a = Rig(tmp_path, layout, fp).persist_and_close("a", HASHES)
     with open(os.path.join(tmp_path, fp, fmt.block_name(HASHES[2])), "r+b") as f:
         f.seek(fmt.HEADER_LEN + 5)
         f.write(b"\x00\x01\x02")
@@ -162,11 +167,7 @@ def test_corrupt_block_on_disk_truncates_the_load(tmp_path, layout, fp):
 
 def test_transfer_fault_during_staging_is_a_miss(tmp_path, layout, fp):
     faults = FaultInjector()
-    rig = Rig(tmp_path, layout, fp, faults=faults)
-    a = rig.running_seq("a", HASHES[:2])
-    rig.finish(a)
-    rig.settle()
-    rig.conn.close()
+    a = Rig(tmp_path, layout, fp, faults=faults).persist_and_close("a", HASHES[:2])
     again = Rig(tmp_path, layout, fp, faults=faults)
     faults.fail("transfer", errno.EIO)
     b = Seq("b", list(a.token_ids) + [1])
@@ -198,11 +199,7 @@ def test_disk_full_keeps_serving_from_host(tmp_path, layout, fp):
 
 def test_aborted_load_releases_pins_and_device_blocks(tmp_path, layout, fp):
     faults = FaultInjector()
-    rig = Rig(tmp_path, layout, fp, faults=faults)
-    a = rig.running_seq("a", HASHES[:2])
-    rig.finish(a)
-    rig.settle()
-    rig.conn.close()
+    a = Rig(tmp_path, layout, fp, faults=faults).persist_and_close("a", HASHES[:2])
     again = Rig(tmp_path, layout, fp, faults=faults)
     faults.delay("disk.read", 0.2)
     b = Seq("b", list(a.token_ids) + [1])
@@ -219,11 +216,7 @@ def test_aborted_load_releases_pins_and_device_blocks(tmp_path, layout, fp):
 
 def test_staging_deadline_decides_per_class(tmp_path, layout, fp):
     faults = FaultInjector()
-    rig = Rig(tmp_path, layout, fp, faults=faults)
-    a = rig.running_seq("a", HASHES[:2])
-    rig.finish(a)
-    rig.settle()
-    rig.conn.close()
+    a = Rig(tmp_path, layout, fp, faults=faults).persist_and_close("a", HASHES[:2])
     for cls, handed_back_early in (("interactive", True), ("batch", False)):
         again = Rig(tmp_path, layout, fp, faults=faults)
         again.conn.contract.budgets[cls] = 20.0  # staging gets 10 ms
