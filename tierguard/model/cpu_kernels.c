@@ -466,30 +466,34 @@ void tg_dequant_int4(const uint8_t *w, const uint16_t *scale, const uint16_t *lo
 /* out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w, rows of `dim` floats (contiguous). With
  * `residual` non-NULL first residual[r] += x[r] and the sum is normalised (the decoder's
  * `h = x + attn; norm(h)`). Same arithmetic order as transformers' float32 RMSNorm. */
+static inline void rms_row(const float *in, float *res, const float *w, float *o, int64_t dim, float eps) {
+    if (res) {
+        for (int64_t d = 0; d < dim; d++) res[d] += in[d];
+        in = res;
+    }
+    float ss = 0.f;
+    for (int64_t d = 0; d < dim; d++) ss += in[d] * in[d];
+    const float inv = 1.f / sqrtf(ss / (float)dim + eps);
+    for (int64_t d = 0; d < dim; d++) o[d] = w[d] * (in[d] * inv);
+}
+
 void tg_rms_norm(const float *x, float *residual, const float *w, float *out, int64_t rows, int64_t dim,
                  float eps) {
-    for (int64_t r = 0; r < rows; r++) {
-        const float *in = x + r * dim;
-        if (residual) {
-            float *res = residual + r * dim;
-            for (int64_t d = 0; d < dim; d++) res[d] += in[d];
-            in = res;
-        }
-        float ss = 0.f;
-        for (int64_t d = 0; d < dim; d++) ss += in[d] * in[d];
-        const float inv = 1.f / sqrtf(ss / (float)dim + eps);
-        float *o = out + r * dim;
-        for (int64_t d = 0; d < dim; d++) o[d] = w[d] * (in[d] * inv);
-    }
+    for (int64_t r = 0; r < rows; r++)
+        rms_row(x + r * dim, residual ? residual + r * dim : NULL, w, out + r * dim, dim, eps);
 }
 
 /* out[r, j] = silu(gu[r, j]) * gu[r, inter + j]: the fused gate/up projection's activation. */
-void tg_silu_mul(const float *gu, float *out, int64_t rows, int64_t inter) {
-    for (int64_t r = 0; r < rows; r++) {
-        const float *g = gu + r * 2 * inter, *u = g + inter;
-        float *o = out + r * inter;
-        for (int64_t j = 0; j < inter; j++) o[j] = g[j] / (1.f + expf(-g[j])) * u[j];
-    }
+static inline void silu_row(const float *g, float *o, int64_t inter) {
+    const float *u = g + inter;
+    for (int64_t j = 0; j < inter; j++) o[j] = g[j] / (1.f + expf(-g[j])) * u[j];
 }
 
-int tg_abi_version(void) { return 5; }
+void tg_silu_mul(const float *gu, float *out, int64_t rows, int64_t inter) {
+    for (int64_t r = 0; r < rows; r++) silu_row(gu + r * 2 * inter, out + r * inter, inter);
+}
+
+/* The whole decode step of a Llama layer stack in one call: decode_step.inc. */
+#include "decode_step.inc"
+
+int tg_abi_version(void) { return 6; }

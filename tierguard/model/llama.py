@@ -12,8 +12,10 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from tierguard.model import fused_decode
 from tierguard.model.attention import AttentionMetadata, paged_attention
 from tierguard.model.config import ModelConfig
+from tierguard.model.fused_decode import FusedDecoder
 from tierguard.model.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary, matmul_weight_t
 from tierguard.model.qlinear import QuantEmbedding
 
@@ -98,6 +100,9 @@ class LlamaModel(nn.Module):
         # Set by WeightOffloader.attach when some decoder layers live in host memory; it
         # streams them in through forward pre-hooks, so forward() itself is unchanged.
         self.weight_offloader: LayerStreamer | None = None
+        # The whole-stack C decode step (fused_decode.py), built at the first decode-only
+        # step on the CPU; False once it proved unusable for this model.
+        self._fused: FusedDecoder | None | bool = None
 
     def forward(
         self,
@@ -113,9 +118,25 @@ class LlamaModel(nn.Module):
         """
         x = self.embed_tokens(input_ids)
         rope = self.rotary.tables(positions, x.dtype)
+        if meta.decode_call is not None and not meta.prefills and kv_scale is None and x.dtype == torch.float32:
+            fused = self._fused_decoder()
+            if fused is not None:
+                out = fused.run(x, rope, kv_cache, meta.decode_call)
+                if out is not None:
+                    return out
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, kv_cache[:, i], meta, None if kv_scale is None else kv_scale[:, i])
         return self.norm(x)
+
+    def _fused_decoder(self) -> FusedDecoder | None:
+        if self._fused is False or self.weight_offloader is not None:
+            return None
+        identity = FusedDecoder.identity(self)
+        if isinstance(self._fused, FusedDecoder) and identity == self._fused_identity:
+            return self._fused
+        self._fused = fused_decode.build(self) or False
+        self._fused_identity = identity
+        return self._fused or None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens if self.lm_head is None else self.lm_head

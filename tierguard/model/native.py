@@ -29,13 +29,15 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
+# Files SOURCE #includes: part of the build key.
+INCLUDES = [Path(__file__).with_name("decode_step.inc")]
 # -ffast-math lets the compiler vectorize expf (glibc's libmvec) and the dot products'
 # reductions; the kernel uses no infinities or NaNs (scores start at -FLT_MAX). It is a
 # compile flag only: linked with it, GCC < 13 adds crtfastmath.o, whose constructor turns
 # on flush-to-zero for the whole process (Python floats included) when the library loads.
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c99"]
 LINK_FLAGS = ["-shared", "-fopenmp"]
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 
 class DecodeArgs(ctypes.Structure):
@@ -94,7 +96,9 @@ def build(cc: str) -> Path:
     """Compile (or reuse) the shared object; raises RuntimeError with the compiler's words."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), " ".join(FLAGS + LINK_FLAGS), version, _machine()]).encode()
+        "\0".join(
+            [SOURCE.read_text(), *(f.read_text() for f in INCLUDES), " ".join(FLAGS + LINK_FLAGS), version, _machine()]
+        ).encode()
     ).hexdigest()[:16]
     target = _cache_dir() / f"tg_cpu_{key}.so"
     if target.is_file():
@@ -150,6 +154,10 @@ def library() -> ctypes.CDLL | None:
     lib.tg_rms_norm.restype = None
     lib.tg_silu_mul.argtypes = [p, p, i64, i64]
     lib.tg_silu_mul.restype = None
+    lib.tg_decode_step_scratch.argtypes = [p, i64]
+    lib.tg_decode_step_scratch.restype = ctypes.c_int64
+    lib.tg_decode_step.argtypes = [p]
+    lib.tg_decode_step.restype = ctypes.c_int
     return lib
 
 

@@ -1,0 +1,88 @@
+"""The whole-stack C decode step (tierguard/model/fused_decode.py) computes what the
+per-op path computes, for every weight kind it takes, and steps aside for what it does not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.engine.conftest import make_engine, prompt_ids
+from tests.engine.test_hf_parity import run_and_record
+from tierguard.engine.factory import build_engine
+from tierguard.model import fused_decode, native
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: the kernels are not built")
+
+# 12 sequences (more than the kernel's 8-row chunk) of different lengths over 4-token blocks
+PROMPTS = [prompt_ids(9 + 5 * i, 3 + 7 * i) for i in range(12)]
+
+
+def _record(engine, prompts=PROMPTS, max_tokens=10):
+    outputs, logits = run_and_record(engine, prompts, max_tokens=max_tokens)
+    return outputs, {rid: torch.stack(rows) for rid, rows in logits.items()}
+
+
+def _engine(model_dir, weight_dtype, fused: bool, monkeypatch):
+    monkeypatch.setenv("TIERGUARD_FUSED_DECODE", "1" if fused else "0")
+    if weight_dtype == "auto":
+        return make_engine(model_dir, max_num_seqs=12, max_num_batched_tokens=64)
+    return build_engine(
+        model_dir, kv_cache_gib=0.01, max_model_len=128, weight_dtype=weight_dtype, max_num_seqs=12
+    )
+
+
+@pytest.mark.parametrize("weight_dtype", ["auto", "int8", "int4"])
+def test_fused_step_matches_the_per_op_path(tiny_dir, weight_dtype, monkeypatch):
+    per_op = _engine(tiny_dir, weight_dtype, False, monkeypatch)
+    ref = _record(per_op)
+    assert per_op.runner.model._fused is False  # really the per-op path
+    fused = _engine(tiny_dir, weight_dtype, True, monkeypatch)
+    got = _record(fused)
+    decoder = fused.runner.model._fused
+    assert isinstance(decoder, fused_decode.FusedDecoder)
+    assert decoder.steps >= 8  # the decode-only steps went through it
+    assert got[0] == ref[0]
+    for rid, lg in ref[1].items():
+        err = (got[1][rid] - lg).abs().max().item()
+        assert err < 1e-4, (rid, err)
+    fused.check_integrity()
+
+
+@pytest.mark.parametrize("variant", ["qwen2", "llama3-rope-tied"])
+def test_fused_step_with_biases_and_tied_embeddings(variant, variant_dir, monkeypatch):
+    """q/k/v biases (Qwen2) are added inside the step; a tied head still works."""
+    model_dir = variant_dir(variant)
+    ref = _record(_engine(model_dir, "auto", False, monkeypatch), PROMPTS[:4])
+    fused = _engine(model_dir, "auto", True, monkeypatch)
+    got = _record(fused, PROMPTS[:4])
+    assert fused.runner.model._fused.steps > 0
+    assert got[0] == ref[0]
+    for rid, lg in ref[1].items():
+        assert (got[1][rid] - lg).abs().max().item() < 1e-4
+
+
+def test_models_it_does_not_cover_keep_the_per_op_path(variant_dir, tiny_dir, monkeypatch, caplog):
+    engine = _engine(variant_dir("qwen3"), "auto", True, monkeypatch)
+    with caplog.at_level("INFO", logger="tierguard.model.fused_decode"):
+        _record(engine, PROMPTS[:2], max_tokens=3)
+    assert engine.runner.model._fused is False
+    assert "q/k norm" in caplog.text
+    model = make_engine(tiny_dir).runner.model
+    monkeypatch.setenv("TIERGUARD_FUSED_DECODE", "0")
+    assert fused_decode.build(model) is None
+
+
+def test_rebuilt_when_the_weights_move(tiny_dir, monkeypatch):
+    """The C side holds raw pointers: a replaced weight must not be read through a stale one."""
+    monkeypatch.setenv("TIERGUARD_FUSED_DECODE", "1")
+    engine = make_engine(tiny_dir)
+    _record(engine, PROMPTS[:2], max_tokens=3)
+    model = engine.runner.model
+    first = model._fused
+    assert isinstance(first, fused_decode.FusedDecoder)
+    with torch.no_grad():
+        proj = model.layers[0].mlp.down_proj
+        proj.weight = torch.nn.Parameter(proj.weight.clone() * 0)
+    second = model._fused_decoder()
+    assert isinstance(second, fused_decode.FusedDecoder) and second is not first
+    assert model._fused_decoder() is second  # unchanged weights: reused

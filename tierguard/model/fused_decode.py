@@ -1,0 +1,241 @@
+"""A decode-only step of the whole layer stack in one C call (decode_step.inc).
+
+Why: on the CPU a batch-1 step of a small model is dominated by per-op overhead, not by
+arithmetic. SmolLM2-135M in eager torch is ~450 ops per step (30 layers x norm, matmul,
+rope, attention, residual...): each op's dispatch, allocation and OpenMP fork/join cost
+about 23 ms of a 59 ms step here, while reading the weights once costs about 35 ms.
+`tg_decode_step` runs all layers in one OpenMP region with the same per-op kernels, so
+the step costs about the weight reads.
+
+What it covers: a step of decodes only (one token per sequence, at most 64), float32
+activations on the CPU, a float32 KV pool (the per-op decode kernel's pool), weights that
+are float32 `Linear`, `Int8Linear` or `Int4Linear`, RMSNorm, no q/k norm (Qwen3 keeps the
+per-op path), biases allowed (Qwen2). Anything else, or a model whose layers stream in
+through hooks (weight offload), takes the per-op path; `build` logs why. Setting
+`TIERGUARD_FUSED_DECODE=0` turns it off (to compare, or to rule it out).
+
+The C side keeps raw pointers to the weights: the decoder holds references to every
+tensor it points at, and is rebuilt when the model's weights change identity.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+import torch
+
+from tierguard.model import native
+from tierguard.model.qlinear import Int4Linear, Int8Linear
+
+log = logging.getLogger(__name__)
+
+MAX_BATCH = 64  # TG_MAX_BATCH
+KIND_F32, KIND_INT8, KIND_INT4 = 0, 1, 2
+
+
+class Lin(ctypes.Structure):
+    _fields_ = [
+        ("kind", ctypes.c_int32),
+        ("group", ctypes.c_int32),
+        ("n", ctypes.c_int64),
+        ("k", ctypes.c_int64),
+        ("w", ctypes.c_void_p),
+        ("scale", ctypes.c_void_p),
+        ("lo", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+    ]
+
+
+class LayerW(ctypes.Structure):
+    _fields_ = [("in_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p)] + [
+        (name, Lin) for name in ("qkv", "o", "gate_up", "down")
+    ]
+
+
+class ModelW(ctypes.Structure):
+    _fields_ = [
+        ("num_layers", ctypes.c_int32),
+        ("hidden", ctypes.c_int32),
+        ("inter", ctypes.c_int32),
+        ("heads", ctypes.c_int32),
+        ("kv_heads", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("eps", ctypes.c_float),
+        ("layers", ctypes.POINTER(LayerW)),
+        ("final_norm", ctypes.c_void_p),
+    ]
+
+
+class StepArgs(ctypes.Structure):
+    _fields_ = [
+        ("model", ctypes.POINTER(ModelW)),
+        ("batch", ctypes.c_int32),
+        ("block_size", ctypes.c_int32),
+        ("layer_stride", ctypes.c_int64),
+        ("blk_stride", ctypes.c_int64),
+        ("v_offset", ctypes.c_int64),
+        ("table_stride", ctypes.c_int64),
+        ("work_stride", ctypes.c_int64),
+        ("pool", ctypes.c_void_p),
+        ("tables", ctypes.c_void_p),
+        ("rows", ctypes.c_void_p),
+        ("ctx", ctypes.c_void_p),
+        ("cos", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p),
+        ("x", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("scratch", ctypes.c_void_p),
+        ("work", ctypes.c_void_p),
+    ]
+
+
+class Unsupported(Exception):
+    """Why a model cannot take the fused step (logged once; the per-op path runs)."""
+
+
+def _f32(t: torch.Tensor | None, what: str) -> int | None:
+    if t is None:
+        return None
+    if t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous():
+        raise Unsupported(f"{what} is not a contiguous float32 CPU tensor")
+    return t.data_ptr()
+
+
+def _lin(module: torch.nn.Module, keep: list[torch.Tensor], what: str) -> Lin:
+    bias = getattr(module, "bias", None)
+    if isinstance(module, Int8Linear):
+        lin = Lin(KIND_INT8, 0, module.out_features, module.in_features, module.qweight.data_ptr(), module.scale.data_ptr())
+    elif isinstance(module, Int4Linear):
+        if module.group % 16 or module.in_features % module.group:
+            raise Unsupported(f"{what}: int4 group {module.group}")
+        lin = Lin(
+            KIND_INT4,
+            module.group,
+            module.out_features,
+            module.in_features,
+            module.qweight.data_ptr(),
+            module.scale.data_ptr(),
+            module.lo.data_ptr(),
+        )
+    elif isinstance(module, torch.nn.Linear):
+        lin = Lin(KIND_F32, 0, module.out_features, module.in_features, _f32(module.weight, f"{what}.weight"))
+    else:
+        raise Unsupported(f"{what} is a {type(module).__name__}")
+    lin.bias = _f32(bias, f"{what}.bias")
+    keep.extend(t for t in module.parameters())
+    keep.extend(t for t in module.buffers())
+    return lin
+
+
+def _norm(module: torch.nn.Module, what: str) -> int:
+    if type(module).__name__ != "RMSNorm":
+        raise Unsupported(f"{what} is a {type(module).__name__}")
+    return _f32(module.weight, f"{what}.weight")
+
+
+class FusedDecoder:
+    """The model's weights as the C step sees them, plus reusable step buffers."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        """Raises Unsupported naming the first part the C step does not cover."""
+        cfg = model.config
+        if os.environ.get("TIERGUARD_FUSED_DECODE", "1") == "0":
+            raise Unsupported("TIERGUARD_FUSED_DECODE=0")
+        if not native.available():
+            raise Unsupported("no CPU kernels (no compiler or TIERGUARD_NATIVE=0)")
+        if model.weight_offloader is not None:
+            raise Unsupported("decoder layers stream in through hooks (weight offload)")
+        if cfg.qk_norm:
+            raise Unsupported("q/k norm (Qwen3)")
+        if (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim != model.layers[0].self_attn.qkv_proj.out_features:
+            raise Unsupported("fused q/k/v projection has an unexpected width")
+        self._keep: list[torch.Tensor] = []
+        self._layers = (LayerW * cfg.num_layers)()
+        for i, layer in enumerate(model.layers):
+            w = self._layers[i]
+            w.in_norm = _norm(layer.input_layernorm, f"layers.{i}.input_layernorm")
+            w.post_norm = _norm(layer.post_attention_layernorm, f"layers.{i}.post_attention_layernorm")
+            attn, mlp = layer.self_attn, layer.mlp
+            for name, module in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)):
+                setattr(w, name, _lin(module, self._keep, f"layers.{i}.{name}"))
+            self._keep += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        self._keep.append(model.norm.weight)
+        self._model = ModelW(
+            cfg.num_layers,
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.rms_norm_eps,
+            ctypes.cast(self._layers, ctypes.POINTER(LayerW)),
+            _norm(model.norm, "norm"),
+        )
+        self._fn = native.library().tg_decode_step
+        self._scratch_floats = native.library().tg_decode_step_scratch
+        self._scratch: torch.Tensor = torch.empty(0)
+        self.hidden = cfg.hidden_size
+        self.steps = 0  # steps computed here (tests and the speed probe read it)
+
+    @staticmethod
+    def identity(model: torch.nn.Module) -> tuple[int, ...]:
+        """Where the model's tensors are now: a decoder built at other addresses is stale
+        (its C side would read freed or replaced memory). ~300 pointer reads per step."""
+        return tuple(t.data_ptr() for t in model.parameters()) + tuple(t.data_ptr() for t in model.buffers())
+
+    def run(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        call: native.DecodeCall,
+    ) -> torch.Tensor | None:
+        """x: [B, hidden] embeddings (clobbered); rope: cos / signed sin [B, 1, D];
+        kv_cache: [N, layers, 2, bs, KV, D]; call: the step's DecodeCall (block tables,
+        rows, context lengths, score buffer). Returns final-normed hidden states, or None
+        when the C step refused the shape."""
+        b = x.shape[0]
+        if b > MAX_BATCH:
+            return None
+        need = self._scratch_floats(ctypes.byref(self._model), b)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.float32)
+        x = x.contiguous()
+        cos, sin = rope[0].contiguous(), rope[1].contiguous()
+        out = torch.empty(b, self.hidden, dtype=torch.float32)
+        d = call.args
+        args = StepArgs(
+            ctypes.pointer(self._model),
+            b,
+            d.block_size,
+            kv_cache.stride(1),
+            kv_cache.stride(0),
+            kv_cache.stride(2),
+            d.table_stride,
+            d.work_stride,
+            kv_cache.data_ptr(),
+            d.tables,
+            d.rows,
+            d.ctx,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            x.data_ptr(),
+            out.data_ptr(),
+            self._scratch.data_ptr(),
+            d.work,
+        )
+        if self._fn(ctypes.byref(args)) != 0:
+            return None
+        self.steps += 1
+        return out
+
+
+def build(model: torch.nn.Module) -> FusedDecoder | None:
+    """The fused decoder for this model, or None (logged once with the reason)."""
+    try:
+        return FusedDecoder(model)
+    except Unsupported as exc:
+        log.info("fused CPU decode step not used: %s", exc)
+        return None
