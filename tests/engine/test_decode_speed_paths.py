@@ -135,3 +135,50 @@ def test_prefill_beside_decodes_is_chunked_to_the_target(tiny_dir):
     while engine.has_unfinished():
         engine.step()
     engine.check_integrity()
+
+
+def test_itl_slo_caps_the_batch_and_the_step():
+    budget = StepBudget(0.0, min_tokens=16, slo_ms=100.0)
+    assert budget.enabled and budget.target_ms == 100.0  # the SLO is the step target
+    assert budget.admits(0) and budget.admits(3)  # nothing measured: one more is tried
+    budget.observe(0, 256, 0.512)  # 2 ms per prefill token
+    budget.observe(4, 0, 0.050)  # 4 decodes: 50 ms <= 0.6 x 100
+    assert budget.admits(4)  # 5 is unmeasured: the nearest smaller (4) says yes
+    budget.observe(5, 0, 0.070)  # 5 decodes: 70 ms > 60
+    assert not budget.admits(5) and not budget.admits(9)
+    assert budget.admits(3)  # 4 is still fine
+    assert budget.admits(0)  # an empty batch always takes one
+    # no prefill share beyond the SLO: (100 - 70) / 2 = 15 -> the minimum 16
+    assert budget.prefill_tokens(5, 512) == 16
+    assert budget.prefill_tokens(4, 512) == 25  # (100 - 50) / 2
+    assert StepBudget(100.0).admits(50)  # the throughput-first target never holds requests back
+
+
+def test_itl_slo_holds_new_requests_in_the_queue(tiny_dir):
+    engine = make_engine(tiny_dir, max_num_batched_tokens=128, itl_slo_ms=100.0)
+    budget = engine.scheduler.step_budget
+    seen = []
+    engine.add_step_listener(lambda s: seen.append(s.num_decode_seqs))
+    for i in range(6):
+        engine.add_request(f"r{i}", prompt_ids(i, 8), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    budget.observe(0, 64, 0.064)  # 1 ms per prefill token
+    budget.decode_ms = {2: 30.0, 3: 90.0}  # a third stream would take the step past 60 ms
+    engine.step()
+    assert len(engine.scheduler.running) == 2  # 2 fit (30 ms), a third would not (90 ms)
+    for _ in range(4):
+        budget.decode_ms = {2: 30.0, 3: 90.0}  # hold the estimates against the real timings
+        engine.step()
+        assert len(engine.scheduler.running) <= 2
+    assert len(engine.scheduler.waiting) == 4 and max(seen) <= 2
+    engine.scheduler.step_budget = StepBudget(0.0)
+    while engine.has_unfinished():
+        engine.step()
+    engine.check_integrity()
+
+
+def test_a_negative_itl_slo_is_one_line_and_exit_2(capsys):
+    from tierguard.cli.main import main
+
+    assert main(["serve", "--model", "tiny", "--itl-slo-ms", "-5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--itl-slo-ms must be >= 0" in err

@@ -79,6 +79,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="keep a step that carries decodes under this many ms: prefill chunks are cut to "
         "fit (default: the engine's; 0 turns the limit off)",
     )
+    p.add_argument(
+        "--itl-slo-ms",
+        type=float,
+        default=0.0,
+        help="latency first: keep every step that carries decodes under this many ms, and start a "
+        "new sequence only while the running batch's decode step leaves room for it (others wait "
+        "in the queue); 0: off",
+    )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in one step")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="most tokens in one step")
@@ -115,6 +123,8 @@ def _validate(args: argparse.Namespace) -> None:
         raise TierguardError(f"--threads must be >= 1, got {args.threads}")
     if args.target_itl_ms is not None and args.target_itl_ms < 0:
         raise TierguardError(f"--target-itl-ms must be >= 0, got {args.target_itl_ms}")
+    if args.itl_slo_ms < 0:
+        raise TierguardError(f"--itl-slo-ms must be >= 0 (0: off), got {args.itl_slo_ms}")
     if args.weights_offload_gib < 0:
         raise TierguardError(f"--weights-offload-gib must be >= 0, got {args.weights_offload_gib}")
     tier_kwargs(args)  # tier flags and key files: refused here, before anything loads
@@ -146,6 +156,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     }
     if args.target_itl_ms is not None:
         kwargs["target_itl_ms"] = args.target_itl_ms
+    if args.itl_slo_ms:
+        kwargs["itl_slo_ms"] = args.itl_slo_ms
     kwargs.update(tier_kwargs(args))  # validated before the model loads
     # Leave unset limits to the engine's defaults rather than guessing them here.
     if args.max_num_seqs is not None:

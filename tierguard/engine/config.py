@@ -29,6 +29,9 @@ class EngineConfig:
     kv_dtype: str = "auto"  # device KV pool: auto (model dtype), fp8 or int8 (+ per-token-head scales)
     # A step that carries decodes stays under this (prefill chunks are cut; step_budget.py); 0: no limit.
     target_itl_ms: float = 0.0
+    # Latency first (step_budget.py): steps with decodes under this, and new sequences
+    # start only while the decode step leaves prefill room under it; 0: off.
+    itl_slo_ms: float = 0.0
     # Decode-only steps of up to this many sequences run on static buffers, captured as
     # CUDA graphs on CUDA (decode_graphs.py); 0: off. Eager on the CPU (tests only).
     decode_graph_max_batch: int = 0
@@ -43,6 +46,8 @@ class EngineConfig:
             raise TierguardError(f"--kv-dtype must be auto, fp8 or int8, got {self.kv_dtype!r}")
         if not isinstance(self.target_itl_ms, int | float) or self.target_itl_ms < 0:
             raise TierguardError(f"--target-itl-ms must be >= 0 (0: no limit), got {self.target_itl_ms!r}")
+        if not isinstance(self.itl_slo_ms, int | float) or self.itl_slo_ms < 0:
+            raise TierguardError(f"--itl-slo-ms must be >= 0 (0: off), got {self.itl_slo_ms!r}")
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:

@@ -117,6 +117,7 @@ def build_engine(
     weight_dtype: str = "auto",
     int4_group: int = 32,
     target_itl_ms: float | None = None,
+    itl_slo_ms: float = 0.0,
     cuda_graphs: bool = True,
     gguf_path: str | Path | None = None,
     kv_encrypt_key_file: str | None = None,
@@ -176,6 +177,7 @@ def build_engine(
         naive_sync_disk=naive_sync_disk,
         kv_dtype=kv_dtype,
         target_itl_ms=DEFAULT_TARGET_ITL_MS.get(dev.type, 0.0) if target_itl_ms is None else target_itl_ms,
+        itl_slo_ms=itl_slo_ms,
         decode_graph_max_batch=min(32, max_num_seqs) if cuda_graphs and dev.type == "cuda" else 0,
         kv_encrypt_key_file=kv_encrypt_key_file,  # cold KV at rest: tierguard/kv/aead_codec.py
         kv_encrypt_old_key_file=kv_encrypt_old_key_file,

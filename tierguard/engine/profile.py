@@ -10,6 +10,10 @@ on exit everything is put back. The parts do not overlap, so their times add up:
     attention the paged attention call (KV write, KV read, SDPA); `kv_write`, `kv_read`
               are its share spent storing and gathering the paged KV
     rope      rotary embedding; norm: every RMSNorm; embed: the token embedding
+    fused_step  a decode-only step's whole layer stack in one C call (fused_decode.py);
+              when the model takes it, the per-module scopes are left out (module
+              hooks would send the step down the per-op path), so a step with
+              prefill chunks then counts its matmuls etc. under model_rest
     model_rest  the rest of the forward (residual adds, views, the rotary table lookup)
     prepare   schedule -> tensors (block tables, slots, masks)
     sample    the sampler; detok: appending tokens, detokenizing, stop checks
@@ -30,6 +34,7 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 PARTS = (
+    "fused_step",
     "matmul",
     "lm_head",
     "attention",
@@ -72,13 +77,15 @@ def step_scopes(engine: Any) -> Iterator[None]:
     """Named scopes around the parts of `engine.step()`, removed on exit."""
     import tierguard.engine.llm_engine as llm_engine_mod
     import tierguard.model.attention as attention_mod
+    import tierguard.model.fused_decode as fused_mod
     import tierguard.model.llama as llama_mod
 
     model = engine.runner.model
+    fused = getattr(model, "_fused_decoder", lambda: None)() is not None
     handles = []
     for module in model.modules():
         part = _module_part(module)
-        if part is None:
+        if part is None or fused:
             continue
         stack: list[record_function] = []
 
@@ -108,6 +115,7 @@ def step_scopes(engine: Any) -> Iterator[None]:
         patch(attention_mod, attr, "kv_write")
     for attr in ("_gather", "gather_kv"):
         patch(attention_mod, attr, "kv_read")
+    patch(fused_mod.FusedDecoder, "run", "fused_step")
     patch(model, "compute_logits", "lm_head")
     patch(engine.runner, "prepare", "prepare")
     patch(engine.scheduler, "schedule", "schedule")
@@ -149,7 +157,7 @@ def breakdown(events: Any, steps: int) -> dict[str, float]:
     get = total.get
     out = {p: get(p, 0.0) for p in PARTS if p not in ("model_rest", "engine_rest")}
     # attention includes its KV write/read; matmul here excludes nothing (leaves only)
-    leaves = out["matmul"] + out["attention"] + out["rope"] + out["norm"] + out["embed"]
+    leaves = out["fused_step"] + out["matmul"] + out["attention"] + out["rope"] + out["norm"] + out["embed"]
     out["model_rest"] = max(0.0, get("forward", 0.0) - leaves)
     inner = get("forward", 0.0) + sum(out[p] for p in ("lm_head", "prepare", "sample", "detok", "schedule"))
     out["engine_rest"] = max(0.0, get("step", 0.0) - inner)

@@ -7,7 +7,8 @@ A step's token budget (max_num_batched_tokens) is spent in this order:
      and KV blocks for their first chunk, in the order the admission policy gives.
 Prefill tokens (2 and 3) in a step that carries decodes are further capped by the step
 budget (step_budget.py, `--target-itl-ms`), so one prefill cannot stretch every
-stream's inter-token gap.
+stream's inter-token gap; with `--itl-slo-ms` the budget also says when the batch is
+full (3 waits).
 When a running sequence cannot get a block, the newest other running sequence is
 preempted by recompute (its blocks are freed, it goes back to the front of the queue;
 its full blocks stay in the prefix cache, so the recompute is often cheap).
@@ -69,7 +70,9 @@ class Scheduler:
         self.waiting: OrderedDict[str, Sequence] = OrderedDict()  # front = next to admit
         self.running: list[Sequence] = []  # admission order, oldest first
         self.num_preemptions = 0
-        self.step_budget = step_budget or StepBudget(config.target_itl_ms, min_tokens=config.block_size)
+        self.step_budget = step_budget or StepBudget(
+            config.target_itl_ms, min_tokens=config.block_size, slo_ms=config.itl_slo_ms
+        )
         self._prefill_cap = config.max_num_batched_tokens  # prefill tokens left in this step
 
     def add(self, seq: Sequence) -> None:
@@ -150,7 +153,11 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         # Admitting while preempting would only thrash.
         while (
-            budget > 0 and self.waiting and not out.preempted and len(self.running) < self.config.max_num_seqs
+            budget > 0
+            and self.waiting
+            and not out.preempted
+            and len(self.running) < self.config.max_num_seqs
+            and self.step_budget.admits(len(self.running))
         ):
             seq = self.admission.head(self.waiting)
             match = self.bm.lookup(seq)

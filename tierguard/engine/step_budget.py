@@ -17,6 +17,16 @@ prefills: at 8 streams of SmolLM2 on 2 cores the decodes took ~150 ms, prefills 
 16-token minimum, and output fell to 18 tok/s (29 with no budget at all). So prefills
 always get `prefill_share` of the decode time: the gap grows by at most that factor
 over a decode-only step, and new requests keep flowing in.
+
+That is a throughput-first target. `--itl-slo-ms` is the latency-first one: a step that
+carries decodes is kept under it (prefills get what the decodes leave, at least
+`min_tokens`), and a new sequence starts only while the decode step at the larger batch
+is expected to take at most `SLO_DECODE_SHARE` of it. Whoever does not fit waits in
+the queue (TTFT grows) instead of slowing every running stream: on 2 CPU cores a
+32-sequence decode step alone is several times a 1-sequence one, so without a cap the
+inter-token gap at high concurrency is set by the batch, not by the target. The decode
+time of a batch size not yet seen is taken from the nearest smaller one (optimistic:
+one more sequence is tried, its steps are measured, and the cap settles).
 Policy only: the scheduler asks, the engine reports each step.
 """
 
@@ -27,6 +37,8 @@ from dataclasses import dataclass, field
 # Before any prefill was measured (a decode is running but nothing was prefilled alone
 # yet, e.g. after a restart of the estimates), chunks are capped here.
 UNMEASURED_CHUNK = 64
+# With an ITL SLO, the share of it the decodes alone may take (the rest is prefill room).
+SLO_DECODE_SHARE = 0.6
 
 
 @dataclass
@@ -37,10 +49,26 @@ class StepBudget:
     alpha: float = 0.25  # weight of the newest step in the moving averages
     ms_per_prefill_token: float | None = None
     decode_ms: dict[int, float] = field(default_factory=dict)  # decode-only step time by batch size
+    slo_ms: float = 0.0  # --itl-slo-ms: 0 off
+
+    def __post_init__(self) -> None:
+        if self.slo_ms > 0:  # the SLO is also the step target
+            self.target_ms = self.slo_ms
 
     @property
     def enabled(self) -> bool:
         return self.target_ms > 0
+
+    def admits(self, num_running: int) -> bool:
+        """Whether a new sequence may start beside `num_running` ones (always without an
+        SLO, and always into an empty batch)."""
+        if self.slo_ms <= 0 or num_running == 0:
+            return True
+        want = num_running + 1
+        known = [b for b in self.decode_ms if b <= want]
+        if not known:
+            return True
+        return self.decode_ms[max(known)] <= SLO_DECODE_SHARE * self.slo_ms
 
     def decode_step_ms(self, num_decodes: int) -> float:
         """Estimated time of a decode-only step: the measured batch size, else the nearest
@@ -59,7 +87,8 @@ class StepBudget:
         if self.ms_per_prefill_token is None:
             return min(limit, UNMEASURED_CHUNK)
         decode = self.decode_step_ms(num_decodes)
-        room = max(self.target_ms, (1.0 + self.prefill_share) * decode) - decode
+        share = 0.0 if self.slo_ms > 0 else self.prefill_share
+        room = max(self.target_ms, (1.0 + share) * decode) - decode
         return min(limit, max(self.min_tokens, int(room / self.ms_per_prefill_token)))
 
     def observe(self, num_decodes: int, prefill_tokens: int, seconds: float) -> None:
