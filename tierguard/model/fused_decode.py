@@ -4,8 +4,9 @@ Why: on the CPU a batch-1 step of a small model is dominated by per-op overhead,
 arithmetic. SmolLM2-135M in eager torch is ~450 ops per step (30 layers x norm, matmul,
 rope, attention, residual...): each op's dispatch, allocation and OpenMP fork/join cost
 about 23 ms of a 59 ms step here, while reading the weights once costs about 35 ms.
-`tg_decode_step` runs all layers in one OpenMP region with the same per-op kernels, so
-the step costs about the weight reads.
+`tg_decode_step` runs all layers in one OpenMP region with the same per-op kernels and
+five barriers per layer (each thread repeats the small row-wise ops on its own copy of
+the rows rather than wait at two more), so the step costs about the weight reads.
 
 What it covers: a step of decodes only (one token per sequence, at most 64), float32
 activations on the CPU, a float32 KV pool (the per-op decode kernel's pool), weights that
@@ -87,6 +88,7 @@ class StepArgs(ctypes.Structure):
         ("x", ctypes.c_void_p),
         ("out", ctypes.c_void_p),
         ("scratch", ctypes.c_void_p),
+        ("threads", ctypes.c_int64),
         ("work", ctypes.c_void_p),
     ]
 
@@ -199,7 +201,10 @@ class FusedDecoder:
         b = x.shape[0]
         if b > MAX_BATCH:
             return None
-        need = self._scratch_floats(ctypes.byref(self._model), b)
+        # torch's intra-op thread count, passed explicitly: the calling thread's own
+        # OpenMP default may differ (the server's engine thread is not torch's main thread)
+        threads = torch.get_num_threads()
+        need = self._scratch_floats(ctypes.byref(self._model), b, threads)
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.float32)
         x = x.contiguous()
@@ -224,6 +229,7 @@ class FusedDecoder:
             x.data_ptr(),
             out.data_ptr(),
             self._scratch.data_ptr(),
+            threads,
             d.work,
         )
         if self._fn(ctypes.byref(args)) != 0:

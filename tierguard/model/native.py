@@ -154,7 +154,7 @@ def library() -> ctypes.CDLL | None:
     lib.tg_rms_norm.restype = None
     lib.tg_silu_mul.argtypes = [p, p, i64, i64]
     lib.tg_silu_mul.restype = None
-    lib.tg_decode_step_scratch.argtypes = [p, i64]
+    lib.tg_decode_step_scratch.argtypes = [p, i64, i64]
     lib.tg_decode_step_scratch.restype = ctypes.c_int64
     lib.tg_decode_step.argtypes = [p]
     lib.tg_decode_step.restype = ctypes.c_int
