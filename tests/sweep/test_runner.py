@@ -145,3 +145,18 @@ def test_seed_differs_per_cell_but_not_per_variant():
             seeds.setdefault(c, set()).add(flag(argv, "--seed"))
     assert all(len(s) == 1 for s in seeds.values())  # the same for both engines
     assert len({next(iter(s)) for s in seeds.values()}) == 3  # no prefix-cache reuse across cells
+
+
+def test_timeline_records_every_cell_between_engine_start_and_stop(tmp_path):
+    m = matrix([schedule_variant("a", 4)], profile={"context_lengths": [64], "output_len": 16, "num_requests": 8})
+    Sweep(m, tmp_path, bench=make_bench(ServerModel(capacity=4))).run()
+    events = [json.loads(line) for line in (tmp_path / "timeline.jsonl").read_text().splitlines()]
+    kinds = [e["kind"] for e in events]
+    assert kinds[:2] == ["engine_starting", "engine_ready"] and kinds[-1] == "engine_stopped"
+    times = [e["t"] for e in events]
+    assert times == sorted(times)
+    cells = json.loads((tmp_path / "state.json").read_text())["cells"]["a"]
+    started = [e["cell"] for e in events if e["kind"] == "cell_start"]
+    done = [e["cell"] for e in events if e["kind"] == "cell_done"]
+    assert started == done and sorted(done) == sorted(cells)  # one start and one end per cell run
+    assert "ladder-ctx64-c5" in done  # the first miss above capacity 4 was measured

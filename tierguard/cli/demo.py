@@ -37,8 +37,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 # Contexts of the real-model section: what fits the demo's 6-minute budget on 2 CPU cores
-# next to the sweep (~4.3 min). 256 + 512 tokens cost 218 s of CPU, 256 alone about a
-# third of that; `tierguard kvcheck` itself defaults to 1k..8k.
+# next to the sweep. 256 + 512 tokens cost 218 s of CPU; 256 alone, 20 passkey trials per
+# dtype, 118 s of CPU (157 s wall on a shared 2-core machine, the trials 132 s of it).
+# `tierguard kvcheck` itself defaults to 1k..8k.
 REAL_MODEL_CONTEXTS = [256]
 
 
@@ -68,13 +69,11 @@ def real_model_section(console, run_dir: Path) -> None:
     with console.status("importing SmolLM2 from its GGUF (first run only)..."):
         resolve_model("smollm2")
     with console.status(f"kvcheck: int8 and fp8 vs the unquantized pool at {contexts} tokens..."):
-        # Alone on the machine after the sweep: every core (the sweep's half-cores setting
-        # is in the environment for its servers).
-        from tierguard.engine.factory import default_threads
-
-        spec = CheckSpec(
-            model="smollm2", kv_dtypes=["int8", "fp8"], contexts=contexts, trials=20, threads=default_threads()
-        )
+        # Half the cores, like the sweep's servers (TIERGUARD_NUM_THREADS, set by run()):
+        # on a 2-core machine that other work shares, two OpenMP threads wait on each other
+        # at every matmul. Measured there, this section: 1 thread 157 s wall, 2 threads
+        # still running after 250 s (stopped there).
+        spec = CheckSpec(model="smollm2", kv_dtypes=["int8", "fp8"], contexts=contexts, trials=20)
         doc = run_check(spec)
     write_outputs(doc, out)
     print_table(doc)

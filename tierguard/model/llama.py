@@ -86,7 +86,12 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu") -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # An explicit (uninitialised) weight: the loader overwrites it anyway, and nn.Embedding's
+        # own normal_() init, run under the loader's `torch.device("meta")`, goes through
+        # torch._refs and imports torch._dynamo - 4-5 s of CPU at every engine start.
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = (

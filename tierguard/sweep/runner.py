@@ -6,6 +6,8 @@ Run directory layout (all of it is what `tierguard report` reads):
     RUN_DIR/state.json             progress: variant status, every cell's verdict, boundaries
     RUN_DIR/environment.json       host, Python, topology of the machine that ran the sweep
     RUN_DIR/boundary.json          the outcome (R14), rewritten after every context
+    RUN_DIR/timeline.jsonl         one line per event (engine start/ready/stop, cell start/done)
+                                   with its wall-clock time: where a sweep's minutes went
     RUN_DIR/<variant>/engine.log   engine stdout+stderr; engine.json: version, command, exit
     RUN_DIR/<variant>/<cell>/r<i>/ one bench result directory per repeat (+ bench.log)
     RUN_DIR/<variant>/<cell>/metrics.prom   the engine's /metrics after the cell
@@ -20,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -114,7 +117,7 @@ class Sweep:
         self.matrix = matrix
         self.bench = bench
         self.run_dir = run_dir
-        self.emit = on_event or (lambda kind, **kw: None)
+        self._on_event = on_event
         run_dir.mkdir(parents=True, exist_ok=True)
         self.state = State(run_dir / "state.json", matrix_digest(matrix))
         mpath = run_dir / "matrix.yaml"
@@ -122,6 +125,17 @@ class Sweep:
             mpath.write_text(matrix_text or yaml.safe_dump(matrix.model_dump(mode="json"), sort_keys=False))
         if not (run_dir / "environment.json").exists():
             (run_dir / "environment.json").write_text(json.dumps(capture_environment(), indent=1))
+
+    def emit(self, kind: str, **kw) -> None:
+        """Pass the event on and append it to timeline.jsonl (time, kind, variant, cell)."""
+        line: dict = {"t": round(time.time(), 3), "kind": kind, "variant": kw.get("variant")}
+        cell = kw.get("spec") or kw.get("verdict")
+        if cell is not None:
+            line["cell"] = cell.key
+        with open(self.run_dir / "timeline.jsonl", "a") as f:
+            f.write(json.dumps(line) + "\n")
+        if self._on_event is not None:
+            self._on_event(kind, **kw)
 
     def run(self) -> dict:
         for variant in self.matrix.variants:
@@ -172,6 +186,7 @@ class Sweep:
             self.emit("variant_failed", variant=variant.name, error=str(exc))
         finally:
             engine.stop()
+            self.emit("engine_stopped", variant=variant.name)
             if engine.info:
                 vs["engine"] = {k: engine.info.get(k) for k in ("version", "model", "exit_code", "stop")}
             self.state.save()
