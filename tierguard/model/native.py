@@ -35,7 +35,7 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # on flush-to-zero for the whole process (Python floats included) when the library loads.
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c99"]
 LINK_FLAGS = ["-shared", "-fopenmp"]
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 
 class DecodeArgs(ctypes.Structure):
@@ -241,7 +241,8 @@ def gemv_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def gemv_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [M <= 64, K] float32 contiguous; q int8 [N, K]; scale float32 [N]. Returns [M, N]."""
+    """x [M <= 64, K] float32 contiguous; q int8 [N, K]; scale float16 [N, ceil(K / 32)]
+    (qlinear.Int8Linear's layout). Returns [M, N]."""
     m, k = x.shape
     n = q.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
@@ -267,7 +268,8 @@ def gemv_int4(
 
 
 def dequant_int8(q: torch.Tensor, scale: torch.Tensor, start: int, end: int, out: torch.Tensor) -> torch.Tensor:
-    """Rows [start, end) as float32 into out[: end - start] (contiguous [rows, K])."""
+    """Rows [start, end) of an int8 weight (q int8 [N, K], scale float16 [N, ceil(K / 32)])
+    as float32 into out[: end - start] (contiguous [rows, K])."""
     k = q.shape[1]
     library().tg_dequant_int8(q.data_ptr(), scale.data_ptr(), k, start, end, out.data_ptr())
     return out[: end - start]
