@@ -467,6 +467,39 @@ void tg_dequant_int8(const int8_t *w, const uint16_t *scale, int64_t K, int64_t 
     }
 }
 
+/* int8 quantization with a scale search (qlinear.quantize_int8), rows [N, K] float32 in
+ * groups of 32: for each group, of the J candidate scales cand[group * J + j] (float16
+ * values, made by the caller) the one whose rounded q has the least squared error is
+ * chosen; writes q [N, K] and its index best[group]. A K that 32 does not divide ends in
+ * a shorter group. */
+void tg_quantize_int8(const float *w, int64_t N, int64_t K, const float *cand, int64_t J, int8_t *q, uint8_t *best) {
+    const int64_t ng = (K + 31) / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < N * ng; i++) {
+        const int64_t n = i / ng, k0 = (i % ng) * 32, len = K - k0 < 32 ? K - k0 : 32;
+        const float *x = w + n * K + k0;
+        float best_err = FLT_MAX;
+        int64_t bj = 0;
+        for (int64_t j = 0; j < J; j++) {
+            const float s = cand[i * J + j];
+            float err = 0.f;
+            for (int64_t t = 0; t < len; t++) {
+                float r = s > 0.f ? nearbyintf(x[t] / s) : 0.f;
+                r = r > 127.f ? 127.f : r < -127.f ? -127.f : r;
+                const float e = r * s - x[t];
+                err += e * e;
+            }
+            if (err < best_err) best_err = err, bj = j;
+        }
+        const float s = cand[i * J + bj];
+        for (int64_t t = 0; t < len; t++) {
+            const float r = s > 0.f ? nearbyintf(x[t] / s) : 0.f;
+            q[n * K + k0 + t] = (int8_t)(r > 127.f ? 127.f : r < -127.f ? -127.f : r);
+        }
+        best[i] = (uint8_t)bj;
+    }
+}
+
 void tg_dequant_int4(const uint8_t *w, const uint16_t *scale, const uint16_t *lo, int64_t K, int64_t G, int64_t r0,
                      int64_t r1, float *out) {
     const int64_t ng = K / G, half = G / 2;

@@ -142,6 +142,8 @@ def library() -> ctypes.CDLL | None:
     lib.tg_gemv_int8.restype = ctypes.c_int
     lib.tg_gemv_int4.argtypes = [p, i64, i64, p, p, p, i64, i64, p, i64]
     lib.tg_gemv_int4.restype = ctypes.c_int
+    lib.tg_quantize_int8.argtypes = [p, i64, i64, p, i64, p, p]
+    lib.tg_quantize_int8.restype = None
     lib.tg_dequant_int8.argtypes = [p, p, i64, i64, i64, p]
     lib.tg_dequant_int8.restype = None
     lib.tg_dequant_int4.argtypes = [p, p, p, i64, i64, i64, i64, p]
@@ -250,6 +252,13 @@ def gemv_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Te
     if rc != 0:
         raise RuntimeError(f"tg_gemv_int8 refused shape M={m}")
     return y
+
+
+def quantize_int8(w: torch.Tensor, cand: torch.Tensor, q: torch.Tensor, best: torch.Tensor) -> None:
+    """w float32 [N, K] contiguous; cand float32 [N, ceil(K/32), J] candidate scales; fills
+    q int8 [N, K] and best uint8 [N, ceil(K/32)] (the chosen candidate's index)."""
+    n, k = w.shape
+    library().tg_quantize_int8(w.data_ptr(), n, k, cand.data_ptr(), cand.shape[-1], q.data_ptr(), best.data_ptr())
 
 
 def gemv_int4(
