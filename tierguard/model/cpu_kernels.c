@@ -241,24 +241,24 @@ static inline void int8_group(const int8_t *wg, float s, const float *xg, int M,
     }
 }
 
-/* int8 in groups of 32 along K (GGUF Q8_0's block), one float16 scale per group. With one
- * activation row, two groups per iteration feed two accumulators (a single chain of
- * dependent FMAs would bound the loop). A K that is not a multiple of 32 ends in a
+/* int8 in groups of 32 along K (GGUF Q8_0's block), one float16 scale per group. With few
+ * activation rows, U groups per iteration feed U accumulators per row (TG_UNROLL: a
+ * single chain of dependent FMAs would bound the loop). A K that is not a multiple of 32 ends in a
  * shorter group with its own scale (scalar loop). */
 static inline void gemv_int8_rows(const float *x, int M, int64_t K, const int8_t *w, const uint16_t *scale,
                                   int64_t n0, int64_t n1, float *y, int64_t ldy) {
-    const int U = M == 1 ? 2 : 1;
+    const int U = TG_UNROLL(M);
     const int64_t full = K / 32, ng = (K + 31) / 32;
     for (int64_t n = n0; n < n1; n++) {
         const int8_t *wr = w + n * K;
         const uint16_t *sr = scale + n * ng;
-        v8 acc[TG_MAX_M * 2];
+        v8 acc[TG_MAX_M * 4];
         for (int i = 0; i < M * U; i++) acc[i] = (v8){0};
         int64_t g = 0;
         for (; g + U <= full; g += U)
             for (int u = 0; u < U; u++)
                 int8_group(wr + (g + u) * 32, half_to_float(sr[g + u]), x + (g + u) * 32, M, K, acc + u, U);
-        for (; g < full; g++) /* U == 2 and an odd number of groups */
+        for (; g < full; g++) /* the groups left over by U */
             int8_group(wr + g * 32, half_to_float(sr[g]), x + g * 32, M, K, acc, U);
         for (int m = 0; m < M; m++) {
             v8 t = acc[m * U];
