@@ -52,8 +52,12 @@ def texts(paths: list[str] | None) -> list[tuple[str, str]]:
     return found
 
 
-def hidden_states(model_dir: Path, weight_dtype: str, docs: list[list[int]], context: int, group: int):
-    """[(hidden [context, H], the engine)] for every doc, read by one engine."""
+def hidden_states(
+    model_dir: Path, weight_dtype: str, docs: list[list[int]], context: int, group: int, gguf: Path | None = None
+):
+    """[(hidden [context, H], the engine)] for every doc, read by one engine. `gguf`: the
+    GGUF file behind the model, whose Q8_0 / Q4 blocks int8 / int4 layers then take as
+    they are (what `tierguard serve --weight-dtype` does)."""
     from tierguard.engine.api import SamplingParams
     from tierguard.engine.factory import build_engine
 
@@ -63,6 +67,7 @@ def hidden_states(model_dir: Path, weight_dtype: str, docs: list[list[int]], con
         kv_cache_gib=0.25,
         weight_dtype=weight_dtype,
         int4_group=group,
+        gguf_path=gguf if weight_dtype in ("int8", "int4") else None,
         max_model_len=context + 8,
         max_num_batched_tokens=max(512, context),
         enable_prefix_caching=False,
@@ -98,6 +103,7 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = resolve_model(args.model)
+    from tierguard.model.gguf_quant import gguf_source
     from tierguard.model.tokenizer import HFTokenizer
 
     tok = HFTokenizer(model_dir)
@@ -138,7 +144,7 @@ def main() -> int:
     ref_engine.close()
     del ref_engine, ref_hidden
     for wd in args.weight_dtype.split(","):
-        hid, engine = hidden_states(model_dir, wd, inputs, args.context, args.int4_group)
+        hid, engine = hidden_states(model_dir, wd, inputs, args.context, args.int4_group, gguf_source(args.model))
         got = scores(hid, engine)
         agree = sum(int((a == r).sum()) for (a, _), (r, _) in zip(got, ref, strict=True)) / n_pos
         per_text = {

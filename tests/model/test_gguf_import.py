@@ -246,3 +246,47 @@ def test_unsupported_pre_tokenizer_is_refused():
 
     with pytest.raises(TierguardError, match="tokenizer.ggml.pre 'mystery'"):
         gguf_tokenizer._pre_tokenizer("mystery")
+
+
+@pytest.mark.parametrize("weight_dtype,linear_type", [("int8", "Q8_0"), ("int4", "Q4_1"), ("int8", "Q4_1")])
+def test_quantized_layers_take_the_files_blocks(tmp_path, monkeypatch, weight_dtype, linear_type):
+    """With the GGUF file at hand, int8 layers (and the int8 embedding, int4 or not) take its
+    Q8_0 blocks and int4 ones its Q4_1 blocks as they are: every dequantized weight equals
+    the float import bit for bit, q/k rows in HF order. Q4_1 into int8 is quantized at load."""
+    from tierguard.model.loader import load_model
+    from tierguard.model.qlinear import Int4Linear, Int8Linear
+
+    tensors, _ = _layer(np.random.default_rng(4), gguf.GGMLQuantizationType[linear_type])
+    x = np.random.default_rng(5).standard_normal((300, 64)).astype(np.float32)
+    tensors["token_embd.weight"] = (gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0),
+                                    gguf.GGMLQuantizationType.Q8_0)  # fmt: skip
+    path = _write_gguf(tmp_path / "q.gguf", tensors)
+    floats = _tensors(import_gguf(path, tmp_path / "out").path)
+    from tierguard.model.quantize import WeightQuantizer
+
+    from_float = []  # the layers quantized at load from float32 (the others: the file's blocks)
+    orig = WeightQuantizer.linear
+
+    def linear(self, w, *args, **kwargs):
+        from_float.append(tuple(w.shape))
+        return orig(self, w, *args, **kwargs)
+
+    monkeypatch.setattr(WeightQuantizer, "linear", linear)
+    model, *_ = load_model(tmp_path / "out", "float32", "cpu", weight_dtype=weight_dtype, gguf_path=path)
+    assert len(from_float) == (4 if (weight_dtype, linear_type) == ("int8", "Q4_1") else 0)
+    embed = model.embed_tokens.linear
+    assert isinstance(embed, Int8Linear)
+    raw = tensors["token_embd.weight"][0].reshape(300, 2, 34)
+    assert np.array_equal(embed.qweight.numpy(), raw[..., 2:].copy().view(np.int8).reshape(300, 64))
+    assert torch.equal(embed.rows(torch.arange(300)), floats["model.embed_tokens.weight"])
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    want_qkv = torch.cat([floats[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
+    want_gu = torch.cat([floats[f"model.layers.0.mlp.{p}_proj.weight"] for p in ("gate", "up")])
+    for layer, want in ((attn.qkv_proj, want_qkv), (mlp.gate_up_proj, want_gu),
+                        (mlp.down_proj, floats["model.layers.0.mlp.down_proj.weight"])):  # fmt: skip
+        assert isinstance(layer, Int8Linear if weight_dtype == "int8" else Int4Linear)
+        dense = layer.rows(torch.arange(layer.out_features))
+        if linear_type == "Q4_1" and weight_dtype == "int8":  # re-quantized: within half a step
+            assert 0 < float((dense - want).abs().max()) <= float(want.abs().max()) / 127 / 2 * 1.001
+        else:
+            assert torch.equal(dense, want)

@@ -48,8 +48,8 @@ def test_fallback_paths_match(layer_and_weight, monkeypatch):
     x = torch.randn(5, layer.in_features, generator=torch.Generator().manual_seed(9))
     fast = layer(x)
     monkeypatch.setattr(native, "available", lambda: False)
-    slow = layer(x)  # int8: torch's _weight_int8pack_mm (bfloat16); int4: blocked plain torch
-    tol = 0.05 if isinstance(layer, Int8Linear) else 1e-4
+    slow = layer(x)  # blocked plain torch (dequantized rows)
+    tol = 1e-4
     assert torch.allclose(fast, slow, atol=tol, rtol=tol), (fast - slow).abs().max()
     monkeypatch.setattr(qlinear, "BLOCK_ROWS", 16)  # several blocks
     assert torch.allclose(layer(torch.cat([x, x])), torch.cat([slow, slow]), atol=tol, rtol=tol)
@@ -59,7 +59,14 @@ def test_quantization_error_is_bounded(layer_and_weight):
     layer, w = layer_and_weight
     err = (_dense(layer) - w).abs()
     if isinstance(layer, Int8Linear):
-        bound = w.abs().amax(1, keepdim=True) / 127 / 2  # half a step per channel
+        g, s = w.view(80, -1, 32), layer.scale.float()
+        assert bool((s >= g.abs().amax(-1) / 127 * (1 - 2**-10)).all())  # absmax / (127 - j)
+        assert bool((s <= g.abs().amax(-1) / 96 * (1 + 2**-10)).all())
+        # no group errs more than with Q8_0's plain absmax / 127
+        plain = (g.abs().amax(-1, keepdim=True) / 127).half().float()
+        plain_err = (torch.round(g / plain).clamp(-127, 127) * plain - g).pow(2).sum(-1)
+        assert bool(((_dense(layer) - w).view(80, -1, 32).pow(2).sum(-1) <= plain_err * 1.0001 + 1e-12).all())
+        bound = (s / 2).repeat_interleave(32, 1)  # half of its own group's step
     else:
         g = w.view(80, -1, 32)
         step = (g.amax(-1) - g.amin(-1)) / 15
@@ -80,14 +87,79 @@ def test_int4_packing_is_gguf_q4_1_order():
 
 
 def test_quantizers_round_trip_exact_grids():
-    q8 = torch.randint(-127, 128, (6, 16)).float()
-    q8[:, 0] = 127  # the channel's max sets the scale: 0.5
-    q, scale = quantize_int8(q8 * 0.5)
-    assert torch.equal(q.float() * scale.unsqueeze(1), q8 * 0.5)  # values on the grid stay exact
+    q8 = torch.randint(-127, 128, (6, 64)).float()
+    q8[:, 0], q8[:, 40] = 127, -127  # each group's absmax sets its scale
+    steps = torch.tensor([[2.0**-3, 2.0**5]]).repeat(6, 1)  # exact in float16, one per group
+    q, scale = quantize_int8(q8 * steps.repeat_interleave(32, 1))
+    assert scale.dtype == torch.float16 and scale.shape == (6, 2)
+    assert torch.equal(scale.float(), steps) and torch.equal(q.float(), q8)  # on the grid: exact
     grid = torch.randint(0, 16, (6, 32)).float()
     grid[:, 0], grid[:, 1] = 0, 15  # span the full range so min/max recover the grid
     q4, s4, lo4 = quantize_int4(grid * 0.25 - 1.0, 32)
     assert torch.allclose(q4.float() * s4.repeat_interleave(32, 1) + lo4.repeat_interleave(32, 1), grid * 0.25 - 1.0)
+
+
+def _int8_reference(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """w[n, k] = q[n, k] * scale[n, k // 32], element by element (independent of qlinear)."""
+    n, k = q.shape
+    w = torch.empty(n, k)
+    for j in range(k):
+        w[:, j] = q[:, j].float() * scale[:, j // 32].float()
+    return w
+
+
+@pytest.mark.parametrize("kernels", [True, False])  # the C kernels, or the torch fallback
+@pytest.mark.parametrize("k", [64, 96, 100, 20])  # even / odd group counts; a shorter last group; one
+def test_int8_groups_follow_their_own_scale(k, kernels, monkeypatch):
+    """Groups whose magnitudes differ by up to 2^12: a scale read for the wrong row or
+    group (or one per row) breaks every path's agreement with the float weight."""
+    if not kernels:
+        monkeypatch.setattr(native, "available", lambda: False)
+    gen = torch.Generator().manual_seed(k)
+    n = 48
+    mags = 2.0 ** torch.randint(-6, 7, (n, -(-k // 32)), generator=gen).float()
+    w = torch.randn(n, k, generator=gen) * mags.repeat_interleave(32, 1)[:, :k]
+    layer = Int8Linear.from_float(w)
+    assert layer.scale.shape == (n, -(-k // 32)) and layer.scale.dtype == torch.float16
+    dense = _int8_reference(layer.qweight, layer.scale)
+    assert torch.equal(_dense(layer), dense)
+    # every weight within half its own group's step of the float weight
+    step = _int8_reference(torch.ones_like(layer.qweight), layer.scale)
+    assert bool(((dense - w).abs() <= step / 2 * 1.001 + 1e-12).all())
+    for rows in (1, 2, 5, 8, 13, 70):  # C kernel (1 row: two accumulators; chunks of 8), blocked
+        x = torch.randn(rows, k, generator=gen)
+        ref = x.double() @ dense.double().t()
+        out = layer(x).double()
+        scale_ref = (x.double().abs() @ dense.double().abs().t()).clamp(min=1e-6)
+        assert float(((out - ref).abs() / scale_ref).max()) < 1e-5, rows
+        # and close to the float weight's product (the quantization error only)
+        assert float(((out - x.double() @ w.double().t()).abs() / scale_ref).max()) < 0.01, rows
+
+
+@pytest.mark.skipif(not native.available(), reason="no C compiler: the kernel is not built")
+@pytest.mark.parametrize("k", [96, 100])
+def test_int8_scale_search_kernel_matches_torch(k, monkeypatch):
+    """The C search and the torch fallback choose scales that err alike (float32 sums in
+    another order may pick a different scale of equal error, rarely)."""
+    w = torch.randn(70, k, generator=torch.Generator().manual_seed(k)) * 0.02
+    fast = quantize_int8(w)
+    monkeypatch.setattr(native, "available", lambda: False)
+    slow = quantize_int8(w)
+
+    def group_err(q, s):
+        return (_int8_reference(q, s) - w).pow(2)
+
+    assert (fast[1] == slow[1]).float().mean() > 0.97
+    assert float(group_err(*fast).sum()) <= float(group_err(*slow).sum()) * 1.001
+    assert float(group_err(*slow).sum()) <= float(group_err(*fast).sum()) * 1.001
+
+
+def test_int8_layer_refuses_a_wrong_scale_shape():
+    q, scale = quantize_int8(torch.randn(8, 64))
+    with pytest.raises(ValueError, match="scale"):
+        Int8Linear(q, scale[:, :1])
+    with pytest.raises(ValueError, match="scale"):
+        Int8Linear(q, scale.float().amax(1))  # per channel: the old layout
 
 
 @pytest.mark.skipif(not native.available(), reason="no C compiler: the kernel is not built")

@@ -122,15 +122,18 @@ def test_target_cpu_refuses_what_tierguard_serve_cannot_do(kwargs, needle):
         make_plan(PlanInputs(target="cpu", host_ram_gib=32, **kwargs))
 
 
-@pytest.mark.parametrize("dtype,ratio", [("int8", 0.26), ("int4", 0.2)])
-def test_target_cpu_counts_serves_quantized_weights(dtype, ratio):
-    """--weights-dtype int8/int4 with --target cpu: tierguard serve's own formats (int4
-    groups of 32 with float16 scale and min, the embedding int8), and the flag to pass."""
+# int8: 1 + 2/32 bytes per weight (a float16 scale per 32) over float32's 4 = 0.266 (the
+# norms stay float); a per-channel scale alone would be 0.25
+@pytest.mark.parametrize("dtype,low,ratio", [("int8", 0.265, 0.275), ("int4", 0.15, 0.2)])
+def test_target_cpu_counts_serves_quantized_weights(dtype, low, ratio):
+    """--weights-dtype int8/int4 with --target cpu: tierguard serve's own formats (int8
+    groups of 32 with a float16 scale; int4 groups of 32 with float16 scale and min, the
+    embedding int8), and the flag to pass."""
     base = dict(model="Qwen/Qwen3-0.6B", target="cpu", host_ram_gib=32, contexts=[8192], concurrency=4)
     fp = make_plan(PlanInputs(weights_dtype="fp32", **base))
     q = make_plan(PlanInputs(weights_dtype=dtype, **base))
     assert q["weights_bytes"] < ratio * fp["weights_bytes"]
-    assert q["weights_bytes"] > 0.15 * fp["weights_bytes"]
+    assert q["weights_bytes"] > low * fp["weights_bytes"]
     flags = q["flags"]["tierguard"]
     assert flags[flags.index("--weight-dtype") + 1] == dtype
     assert "--weight-dtype" not in fp["flags"]["tierguard"]

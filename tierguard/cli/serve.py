@@ -65,7 +65,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--weight-dtype",
         default="auto",
         choices=["auto", "int8", "int4"],
-        help="weight-only quantization at load: int8 (per output channel) or int4 (groups of "
+        help="weight-only quantization at load: int8 (groups of 32 inputs, as GGUF Q8_0) or int4 (groups of "
         "--int4-group inputs); auto keeps --dtype weights",
     )
     p.add_argument("--int4-group", type=int, default=32, choices=[32, 64], help="inputs per int4 scale")
@@ -188,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
     model_dir = resolve_model(args.model)
     model_name = args.served_model_name or default_name(args.model, model_dir)
     kwargs = _engine_kwargs(args)
-    if args.weight_dtype == "int4":  # int4 layers from the file's own Q4 blocks
+    if args.weight_dtype in ("int8", "int4"):  # layers from the file's own Q8_0 / Q4 blocks
         kwargs["gguf_path"] = gguf_source(args.model)
     engine = AsyncLLMEngine.from_model_dir(model_dir, model_name=model_name, **kwargs)
     return asyncio.run(_serve(engine, args, model_name))

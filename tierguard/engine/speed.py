@@ -84,7 +84,7 @@ def main() -> None:
     max_len = args.max_model_len or args.prompt_len + args.steps + args.profile_steps + 16
     engine = build_engine(
         resolve_model(args.model),
-        gguf_path=gguf_source(args.model) if args.weight_dtype == "int4" else None,
+        gguf_path=gguf_source(args.model) if args.weight_dtype in ("int8", "int4") else None,
         kv_cache_gib=args.kv_cache_gib,
         device="auto",
         num_threads=args.threads,

@@ -164,7 +164,8 @@ int tg_decode_attention_f32(const tg_decode_args *a) {
 /* ---- weight-only int8 / int4 matmuls for few rows (decode) ------------------------
  *
  * y[m, n] = sum_k x[m, k] * w[n, k] for M <= TG_MAX_M activation rows, with w quantized:
- *   int8: w[n, k] = q[n, k] * scale[n]                      q: int8 [N, K]
+ *   int8: w[n, k] = q[n, k] * scale[n, k / 32],              q: int8 [N, K], scale float16
+ *         [N, ceil(K / 32)] (GGUF Q8_0's blocks; a shorter last group when 32 does not divide K)
  *   int4: w[n, k] = q * scale[n, g] + lo[n, g], g = k / G,   q: 4 bits, 0..15,
  *         scale and lo float16
  *         (GGUF Q4_1's layout: in group g of row n, byte j of the G/2 bytes holds
@@ -228,30 +229,47 @@ static inline void u4_to_f32(const uint8_t *p, v8 *lo, v8 *hi) {
  * so rows x U stays within the 16 vector registers. */
 #define TG_UNROLL(M) ((M) == 1 ? 4 : (M) <= 3 ? 2 : 1)
 
-static inline void gemv_int8_rows(const float *x, int M, int64_t K, const int8_t *w, const float *scale,
+static inline float half_to_float(uint16_t h);
+
+/* One int8 group of 32 weights against M activation rows: per row, the 32 products are
+ * summed in registers and multiplied by the group's scale once, into acc[m * U]. */
+static inline void int8_group(const int8_t *wg, float s, const float *xg, int M, int64_t K, v8 *acc, int U) {
+    const v8 q0 = i8_to_f32(wg), q1 = i8_to_f32(wg + 8), q2 = i8_to_f32(wg + 16), q3 = i8_to_f32(wg + 24);
+    for (int m = 0; m < M; m++) {
+        const float *xm = xg + m * K;
+        acc[m * U] += s * ((q0 * load8(xm) + q1 * load8(xm + 8)) + (q2 * load8(xm + 16) + q3 * load8(xm + 24)));
+    }
+}
+
+/* int8 in groups of 32 along K (GGUF Q8_0's block), one float16 scale per group. With few
+ * activation rows, U groups per iteration feed U accumulators per row (TG_UNROLL: a
+ * single chain of dependent FMAs would bound the loop). A K that is not a multiple of 32 ends in a
+ * shorter group with its own scale (scalar loop). */
+static inline void gemv_int8_rows(const float *x, int M, int64_t K, const int8_t *w, const uint16_t *scale,
                                   int64_t n0, int64_t n1, float *y, int64_t ldy) {
     const int U = TG_UNROLL(M);
+    const int64_t full = K / 32, ng = (K + 31) / 32;
     for (int64_t n = n0; n < n1; n++) {
         const int8_t *wr = w + n * K;
+        const uint16_t *sr = scale + n * ng;
         v8 acc[TG_MAX_M * 4];
         for (int i = 0; i < M * U; i++) acc[i] = (v8){0};
-        int64_t k = 0;
-        for (; k + 8 * U <= K; k += 8 * U) {
-            for (int u = 0; u < U; u++) {
-                const v8 wf = i8_to_f32(wr + k + 8 * u);
-                for (int m = 0; m < M; m++) acc[m * U + u] += wf * load8(x + m * K + k + 8 * u);
-            }
-        }
-        for (; k + 8 <= K; k += 8) {
-            const v8 wf = i8_to_f32(wr + k);
-            for (int m = 0; m < M; m++) acc[m * U] += wf * load8(x + m * K + k);
-        }
+        int64_t g = 0;
+        for (; g + U <= full; g += U)
+            for (int u = 0; u < U; u++)
+                int8_group(wr + (g + u) * 32, half_to_float(sr[g + u]), x + (g + u) * 32, M, K, acc + u, U);
+        for (; g < full; g++) /* the groups left over by U */
+            int8_group(wr + g * 32, half_to_float(sr[g]), x + g * 32, M, K, acc, U);
         for (int m = 0; m < M; m++) {
             v8 t = acc[m * U];
             for (int u = 1; u < U; u++) t += acc[m * U + u];
-            float s = hsum8(t);
-            for (int64_t kk = k; kk < K; kk++) s += x[m * K + kk] * (float)wr[kk];
-            y[m * ldy + n] = s * scale[n];
+            float sum = hsum8(t);
+            if (full < ng) {
+                float part = 0.f;
+                for (int64_t k = full * 32; k < K; k++) part += x[m * K + k] * (float)wr[k];
+                sum += half_to_float(sr[full]) * part;
+            }
+            y[m * ldy + n] = sum;
         }
     }
 }
@@ -287,7 +305,7 @@ static inline void gemv_f32_rows(const float *x, int M, int64_t K, const float *
     }
 }
 
-/* IEEE half -> float (int4 scales and mins are stored as float16: GGUF's own width). */
+/* IEEE half -> float (int8 scales, int4 scales and mins are stored as float16: GGUF's own width). */
 static inline float half_to_float(uint16_t h) {
 #if defined(__F16C__)
     return _cvtsh_ss(h);
@@ -389,7 +407,7 @@ static inline void gemv_int4_rows(const float *x, int M, int64_t K, const uint8_
     }
 
 /* Returns 0, or -1 for shapes the kernel does not take (the caller uses torch then). */
-int tg_gemv_int8(const float *x, int64_t M_all, int64_t K, const int8_t *w, const float *scale, int64_t N,
+int tg_gemv_int8(const float *x, int64_t M_all, int64_t K, const int8_t *w, const uint16_t *scale, int64_t N,
                  float *y, int64_t ldy) {
     if (M_all < 1 || M_all > TG_MAX_BATCH) return -1;
 #pragma omp parallel for schedule(static)
@@ -433,14 +451,52 @@ int tg_gemv_int4(const float *x, int64_t M_all, int64_t K, const uint8_t *w, con
 
 /* Rows [r0, r1) of the weight as float32 into out [(r1 - r0), K]: for many activation
  * rows (prefill) the caller multiplies such blocks with torch's GEMM instead. */
-void tg_dequant_int8(const int8_t *w, const float *scale, int64_t K, int64_t r0, int64_t r1, float *out) {
+void tg_dequant_int8(const int8_t *w, const uint16_t *scale, int64_t K, int64_t r0, int64_t r1, float *out) {
+    const int64_t ng = (K + 31) / 32;
 #pragma omp parallel for schedule(static)
     for (int64_t n = r0; n < r1; n++) {
         const int8_t *wr = w + n * K;
         float *o = out + (n - r0) * K;
-        int64_t k = 0;
-        for (; k + 8 <= K; k += 8) *(v8 *)(o + k) = i8_to_f32(wr + k) * scale[n];
-        for (; k < K; k++) o[k] = (float)wr[k] * scale[n];
+        for (int64_t g = 0; g < ng; g++) {
+            const float s = half_to_float(scale[n * ng + g]);
+            const int64_t k1 = g * 32 + 32 < K ? g * 32 + 32 : K;
+            int64_t k = g * 32;
+            for (; k + 8 <= k1; k += 8) *(v8 *)(o + k) = i8_to_f32(wr + k) * s;
+            for (; k < k1; k++) o[k] = (float)wr[k] * s;
+        }
+    }
+}
+
+/* int8 quantization with a scale search (qlinear.quantize_int8), rows [N, K] float32 in
+ * groups of 32: for each group, of the J candidate scales cand[group * J + j] (float16
+ * values, made by the caller) the one whose rounded q has the least squared error is
+ * chosen; writes q [N, K] and its index best[group]. A K that 32 does not divide ends in
+ * a shorter group. */
+void tg_quantize_int8(const float *w, int64_t N, int64_t K, const float *cand, int64_t J, int8_t *q, uint8_t *best) {
+    const int64_t ng = (K + 31) / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < N * ng; i++) {
+        const int64_t n = i / ng, k0 = (i % ng) * 32, len = K - k0 < 32 ? K - k0 : 32;
+        const float *x = w + n * K + k0;
+        float best_err = FLT_MAX;
+        int64_t bj = 0;
+        for (int64_t j = 0; j < J; j++) {
+            const float s = cand[i * J + j];
+            float err = 0.f;
+            for (int64_t t = 0; t < len; t++) {
+                float r = s > 0.f ? nearbyintf(x[t] / s) : 0.f;
+                r = r > 127.f ? 127.f : r < -127.f ? -127.f : r;
+                const float e = r * s - x[t];
+                err += e * e;
+            }
+            if (err < best_err) best_err = err, bj = j;
+        }
+        const float s = cand[i * J + bj];
+        for (int64_t t = 0; t < len; t++) {
+            const float r = s > 0.f ? nearbyintf(x[t] / s) : 0.f;
+            q[n * K + k0 + t] = (int8_t)(r > 127.f ? 127.f : r < -127.f ? -127.f : r);
+        }
+        best[i] = (uint8_t)bj;
     }
 }
 
@@ -496,4 +552,4 @@ void tg_silu_mul(const float *gu, float *out, int64_t rows, int64_t inter) {
 /* The whole decode step of a Llama layer stack in one call: decode_step.inc. */
 #include "decode_step.inc"
 
-int tg_abi_version(void) { return 6; }
+int tg_abi_version(void) { return 7; }

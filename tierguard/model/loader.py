@@ -119,7 +119,8 @@ def load_model(
     the linear layers and the embedding are quantized tensor by tensor as they are read
     (tierguard/model/quantize.py), so no float copy of the whole model is ever held.
     `gguf_path`: the GGUF file `model_dir` was imported from; int4 layers whose blocks
-    are Q4_0/Q4_1 are then taken from it as they are (tierguard/model/gguf_quant.py)."""
+    are Q4_0/Q4_1 and int8 ones (the embedding with int4 too) whose blocks are Q8_0 are
+    then taken from it as they are (tierguard/model/gguf_quant.py)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise TierguardError(f"model directory {model_dir} does not exist")
@@ -133,10 +134,10 @@ def load_model(
     quant = None
     if weight_dtype != "auto":
         quant = WeightQuantizer(weight_dtype, int4_group, dev, torch_dtype)
-        if gguf_path is not None and weight_dtype == "int4" and int4_group == 32:
-            from tierguard.model.gguf_quant import GGUFInt4
+        if gguf_path is not None:
+            from tierguard.model.gguf_quant import GGUFBlocks
 
-            quant.source = GGUFInt4(gguf_path)
+            quant.source = GGUFBlocks(gguf_path)
     ckpt = _Checkpoint(model_dir)
     for name, parts in _fused_names(ckpt, cfg):
         if quant is not None and quant.wants(name):

@@ -37,7 +37,7 @@ INCLUDES = [Path(__file__).with_name("decode_step.inc")]
 # on flush-to-zero for the whole process (Python floats included) when the library loads.
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c99"]
 LINK_FLAGS = ["-shared", "-fopenmp"]
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 
 class DecodeArgs(ctypes.Structure):
@@ -146,6 +146,8 @@ def library() -> ctypes.CDLL | None:
     lib.tg_gemv_int8.restype = ctypes.c_int
     lib.tg_gemv_int4.argtypes = [p, i64, i64, p, p, p, i64, i64, p, i64]
     lib.tg_gemv_int4.restype = ctypes.c_int
+    lib.tg_quantize_int8.argtypes = [p, i64, i64, p, i64, p, p]
+    lib.tg_quantize_int8.restype = None
     lib.tg_dequant_int8.argtypes = [p, p, i64, i64, i64, p]
     lib.tg_dequant_int8.restype = None
     lib.tg_dequant_int4.argtypes = [p, p, p, i64, i64, i64, i64, p]
@@ -249,7 +251,8 @@ def gemv_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def gemv_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [M <= 64, K] float32 contiguous; q int8 [N, K]; scale float32 [N]. Returns [M, N]."""
+    """x [M <= 64, K] float32 contiguous; q int8 [N, K]; scale float16 [N, ceil(K / 32)]
+    (qlinear.Int8Linear's layout). Returns [M, N]."""
     m, k = x.shape
     n = q.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
@@ -257,6 +260,13 @@ def gemv_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Te
     if rc != 0:
         raise RuntimeError(f"tg_gemv_int8 refused shape M={m}")
     return y
+
+
+def quantize_int8(w: torch.Tensor, cand: torch.Tensor, q: torch.Tensor, best: torch.Tensor) -> None:
+    """w float32 [N, K] contiguous; cand float32 [N, ceil(K/32), J] candidate scales; fills
+    q int8 [N, K] and best uint8 [N, ceil(K/32)] (the chosen candidate's index)."""
+    n, k = w.shape
+    library().tg_quantize_int8(w.data_ptr(), n, k, cand.data_ptr(), cand.shape[-1], q.data_ptr(), best.data_ptr())
 
 
 def gemv_int4(
@@ -275,7 +285,8 @@ def gemv_int4(
 
 
 def dequant_int8(q: torch.Tensor, scale: torch.Tensor, start: int, end: int, out: torch.Tensor) -> torch.Tensor:
-    """Rows [start, end) as float32 into out[: end - start] (contiguous [rows, K])."""
+    """Rows [start, end) of an int8 weight (q int8 [N, K], scale float16 [N, ceil(K / 32)])
+    as float32 into out[: end - start] (contiguous [rows, K])."""
     k = q.shape[1]
     library().tg_dequant_int8(q.data_ptr(), scale.data_ptr(), k, start, end, out.data_ptr())
     return out[: end - start]

@@ -3,7 +3,11 @@
 Why: a batch-1 decode step reads every weight once, so its time is the weight bytes over
 the memory bandwidth. int8 cuts the float32 bytes ~4x, int4 ~6x (scales included).
 
-    int8  per output channel: w[n, k] = q[n, k] * scale[n]             q int8 in -127..127
+    int8  per group of 32 inputs: w[n, k] = q[n, k] * scale[n, k // 32]   q int8 in -127..127,
+          scale float16 (symmetric; the best of 32 scales near absmax / 127, see
+          quantize_int8): GGUF Q8_0's block, so Q8_0 tensors
+          load unchanged (scale = d). A K that is not a multiple of 32 ends in one
+          shorter group (its own scale), so every shape quantizes.
     int4  per group of `group` inputs: w[n, k] = q * scale[n, g] + lo[n, g]    q in 0..15,
           two per byte in GGUF Q4_1's order (in a group's group/2 bytes, byte j holds
           element j low and element j + group/2 high), scale and lo float16, so Q4_1
@@ -14,8 +18,9 @@ The matmul never dequantizes the whole weight for a decode step. On the CPU, up 
 byte read once, widened in registers, float32 activations and sums), which are bound by
 memory bandwidth; more rows (prefill, large batches) dequantize `BLOCK_ROWS` output rows
 at a time into a small float32 buffer that torch's GEMM multiplies while it is in cache.
-Without the kernels (no compiler; CUDA) the same blocks are dequantized in plain torch;
-int8 on the CPU then uses torch's `aten._weight_int8pack_mm` (bfloat16 activations).
+Without the kernels (no compiler; CUDA) the same blocks are dequantized in plain torch.
+(torch's `aten._weight_int8pack_mm` takes one scale per output channel only: per-channel
+int8 re-quantizing SmolLM2's Q8_0/Q4_1 values left greedy agreement with float32 at 0.956.)
 
 torch's `_weight_int4pack_mm_for_cpu` was measured and not used: on this AVX2 CPU it is
 compute-bound (bfloat16 only; its float32 path is a scalar loop), 2x slower per step
@@ -34,14 +39,66 @@ from tierguard.model import native
 
 WEIGHT_DTYPES = ("auto", "int8", "int4")
 INT4_GROUPS = (32, 64, 128)
+INT8_GROUP = 32  # GGUF Q8_0's block; the C kernels assume it
+INT8_SCALE_CANDIDATES = 32  # scales absmax / (127 - j) tried per group (quantize_int8)
 BLOCK_ROWS = 512  # output rows dequantized at once for many activation rows
 
 
+def int8_groups(k: int) -> int:
+    """Scales per row: K / 32, rounded up (a last, shorter group)."""
+    return -(-k // INT8_GROUP)
+
+
+def int8_scale_columns(scale: torch.Tensor, k: int) -> torch.Tensor:
+    """[N, groups] group scales -> [N, K] float32, each scale over its group's columns."""
+    return scale.float().repeat_interleave(INT8_GROUP, dim=1)[:, :k]
+
+
+def _int8_search_torch(g: torch.Tensor, cand: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The C kernel's search in plain torch: g [R, G, 32] -> (q [R, G, 32], best [R, G])."""
+    best_err = best = best_q = None
+    for j in range(cand.shape[-1]):
+        s = cand[..., j : j + 1]
+        q = torch.where(s > 0, torch.round(g / torch.where(s > 0, s, 1.0)), 0.0).clamp_(-127, 127)
+        err = (q * s - g).pow(2).sum(-1)
+        if best_err is None:
+            best_err, best, best_q = err, torch.zeros_like(err, dtype=torch.long), q
+        else:
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best = torch.where(better, j, best)
+            best_q = torch.where(better.unsqueeze(-1), q, best_q)
+    return best_q, best
+
+
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel int8: (q [N, K] int8, scale [N] float32)."""
-    w = w.float()
-    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-    q = torch.round(w / scale.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
+    """Symmetric int8 per (row, group of 32 inputs), as GGUF Q8_0:
+    (q [N, K] int8, scale [N, ceil(K / 32)] float16).
+
+    Each group's scale is the one of the float16 values absmax / (127 - j), j < 32, whose
+    rounded q has the least squared error (j = 0 is Q8_0's plain absmax / 127), and q is
+    rounded against that stored float16 scale. Why: SmolLM2's linear layers are Q4_1
+    values; absmax / 127 alone left greedy agreement with float32 at 0.9785 (target
+    0.98), the search 0.994 (bench/weight_quant_quality.py). The C kernel searches in
+    about a second for SmolLM2; the torch fallback computes the same, slowly."""
+    w = w.detach().float().cpu().contiguous()
+    n, k = w.shape
+    ng, pad = int8_groups(k), int8_groups(k) * INT8_GROUP - k
+    div = 127.0 - torch.arange(INT8_SCALE_CANDIDATES, dtype=torch.float32)
+    q = torch.empty(n, k, dtype=torch.int8)
+    scale = torch.empty(n, ng, dtype=torch.float16)
+    for r0 in range(0, n, 1024):  # the candidates of 1024 rows at a time
+        rows = w[r0 : r0 + 1024]
+        g = torch.nn.functional.pad(rows, (0, pad)).view(len(rows), ng, INT8_GROUP)
+        cand = (g.abs().amax(-1, keepdim=True) / div).clamp_(max=65504.0).half().float()
+        if native.available():
+            best = torch.empty(len(rows), ng, dtype=torch.uint8)
+            native.quantize_int8(rows, cand, q[r0 : r0 + len(rows)], best)
+            best = best.long()
+        else:
+            gq, best = _int8_search_torch(g, cand)
+            q[r0 : r0 + len(rows)] = gq.to(torch.int8).view(len(rows), -1)[:, :k]
+        scale[r0 : r0 + len(rows)] = cand.gather(-1, best.unsqueeze(-1)).squeeze(-1).half()
     return q, scale
 
 
@@ -122,10 +179,14 @@ class Int8Linear(QuantLinear):
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = q.shape
+        want = (self.out_features, int8_groups(self.in_features))
+        if q.dtype != torch.int8 or tuple(scale.shape) != want:
+            raise ValueError(f"int8 layer needs q int8 [N, K] and scale [N, ceil(K/32)] = {want}, "
+                             f"got {q.dtype} {tuple(q.shape)} and {tuple(scale.shape)}")
         self.register_buffer("qweight", q.contiguous())
-        self.register_buffer("scale", scale.float().contiguous())
+        # float16, as GGUF Q8_0 stores it: 2 bytes per 32 weights (1.0625 bytes per weight)
+        self.register_buffer("scale", scale.to(torch.float16).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self._scale_bf16: torch.Tensor | None = None  # for torch's kernel, made when first needed
 
     @classmethod
     def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
@@ -137,17 +198,11 @@ class Int8Linear(QuantLinear):
     def _dequant_native(self, s: int, e: int, buf: torch.Tensor) -> torch.Tensor:
         return native.dequant_int8(self.qweight, self.scale, s, e, buf)
 
-    def _fallback(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu":
-            return super()._fallback(x)
-        if self._scale_bf16 is None:
-            self._scale_bf16 = self.scale.to(torch.bfloat16)
-        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self._scale_bf16)
-
     def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Dequantized rows `ids` (the tied embedding's lookup)."""
-        q = self.qweight.index_select(0, ids).to(dtype)
-        return q * self.scale.index_select(0, ids).unsqueeze(1).to(dtype)
+        """Dequantized rows `ids` (the tied embedding's lookup; the torch fallback's blocks)."""
+        q = self.qweight.index_select(0, ids).float()
+        w = q * int8_scale_columns(self.scale.index_select(0, ids), self.in_features)
+        return w.to(dtype)
 
 
 class Int4Linear(QuantLinear):

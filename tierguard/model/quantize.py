@@ -5,9 +5,10 @@ weight (fused q/k/v, o, fused gate/up, down, an untied lm_head) and the embeddin
 quantized as it arrives and its float copy dropped, so the peak is one float tensor
 beside the quantized model. Norms and biases stay in the model dtype.
 
-int4 needs K in whole groups; a tensor that does not fit is kept int8 and counted as
-such in `summary`. With int4 the embedding (and a tied or untied lm_head) stays int8, as
-llama.cpp's Q4 files keep token_embd/output at 8 bits: measured on SmolLM2, an int4
+int8 is group-wise (32 inputs per float16 scale, GGUF Q8_0's layout; qlinear.py) and
+takes every shape. int4 needs K in whole groups; a tensor that does not fit is kept int8
+and counted as such in `summary`. With int4 the embedding (and a tied or untied lm_head)
+stays int8, as llama.cpp's Q4 files keep token_embd/output at 8 bits: measured on SmolLM2, an int4
 embedding alone drops teacher-forced top-1 agreement with float32 to 0.84, int8 to 0.98.
 """
 
@@ -35,44 +36,54 @@ class WeightQuantizer:
         self.device = device
         self.dtype = dtype
         self.kinds: Counter[str] = Counter()  # what each tensor became
-        self.source = None  # gguf_quant.GGUFInt4: int4 layers from the file's blocks
+        self.source = None  # gguf_quant.GGUFBlocks: int4/int8 layers from the file's blocks
 
     def wants(self, name: str) -> bool:
         module, _, attr = name.rpartition(".")
         leaf = module.rpartition(".")[2]
         return attr == "weight" and (leaf in LINEAR_MODULES or module in ("lm_head", "embed_tokens"))
 
+    def kind(self, shape: tuple[int, int], head: bool) -> str:
+        """int8 or int4 for a weight of `shape`; `head`: the embedding or lm_head (int8)."""
+        if head or (self.weight_dtype == "int4" and not Int4Linear.supports(shape, self.group)):
+            return "int8"
+        return self.weight_dtype
+
     def linear(self, w: torch.Tensor, bias: torch.Tensor | None, head: bool = False) -> QuantLinear:
         """A quantized linear layer from a float weight [N, K]; `head`: the embedding or lm_head."""
-        kind = self.weight_dtype
-        if head or (kind == "int4" and not Int4Linear.supports(tuple(w.shape), self.group)):
-            kind = "int8"
+        kind = self.kind(tuple(w.shape), head)
         self.kinds[kind] += 1
         if kind == "int4":
             return Int4Linear.from_float(w, self.group, bias).to(self.device)
         return Int8Linear.from_float(w, bias).to(self.device)
 
-    def place(self, model: nn.Module, name: str, tensor: torch.Tensor) -> None:
-        module_name = name.rpartition(".")[0]
+    def _install(self, model: nn.Module, module_name: str, make) -> None:
+        """Put `make(bias of the module it replaces)` in the place of `module_name`."""
         if module_name == "embed_tokens":
-            lin = self.linear(tensor, None, head=True)
-            model.embed_tokens = QuantEmbedding(lin, self.dtype)
+            model.embed_tokens = QuantEmbedding(make(None), self.dtype)
             return
         parent_name, _, child = module_name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        old = getattr(parent, child)
-        setattr(parent, child, self.linear(tensor, old.bias, head=module_name == "lm_head"))
+        setattr(parent, child, make(getattr(parent, child).bias))
+
+    def place(self, model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+        module_name = name.rpartition(".")[0]
+        head = module_name in ("embed_tokens", "lm_head")
+        self._install(model, module_name, lambda bias: self.linear(tensor, bias, head=head))
 
     def place_from_source(self, model: nn.Module, name: str, parts: list[str]) -> bool:
-        """An int4 layer made from the GGUF file's own blocks, when they are Q4_0/Q4_1
-        (True), else False: the caller reads the float tensor."""
+        """A layer made from the GGUF file's own blocks (True) when they are the layer's
+        format: Q4_0/Q4_1 for int4 (group 32), Q8_0 for int8 (the embedding and lm_head
+        included). Else False: the caller reads the float tensor."""
         module_name = name.rpartition(".")[0]
-        if self.source is None or module_name in ("embed_tokens", "lm_head") or not self.source.covers(parts):
+        head = module_name in ("embed_tokens", "lm_head")
+        kind = "int8" if head else self.weight_dtype
+        if self.source is None or (kind == "int4" and self.group != 32):
             return False
-        parent_name, _, child = module_name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        setattr(parent, child, self.source.linear(parts, getattr(parent, child).bias).to(self.device))
-        self.kinds["int4 (GGUF blocks)"] += 1
+        if not self.source.covers(parts, kind):
+            return False
+        self._install(model, module_name, lambda bias: self.source.linear(parts, kind, bias).to(self.device))
+        self.kinds[f"{kind} (GGUF blocks)"] += 1
         return True
 
     def finish(self, model: nn.Module) -> None:

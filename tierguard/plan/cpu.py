@@ -24,10 +24,11 @@ FLOAT_WEIGHTS = ("fp32", "bf16", "fp16")
 
 
 # `tierguard serve --weight-dtype` (tierguard/model/qlinear.py): bytes per parameter of a
-# linear layer and of the embedding (int8 per output channel with a float32 scale, about
-# 1 + 4/1024 for hidden sizes near 1k; int4 in groups of 32 with a float16 scale and min;
-# with int4 the embedding and lm_head stay int8).
-SERVE_WEIGHTS = {"int8": (1.0 + 4 / 1024, 1.0 + 4 / 1024), "int4": (0.5 + 4 / 32, 1.0 + 4 / 1024)}
+# linear layer and of the embedding (int8 in groups of 32 with a float16 scale, as GGUF
+# Q8_0: 1 + 2/32; int4 in groups of 32 with a float16 scale and min: 0.5 + 4/32; with int4
+# the embedding and lm_head stay int8).
+INT8_BYTES = 1.0 + 2 / 32
+SERVE_WEIGHTS = {"int8": (INT8_BYTES, INT8_BYTES), "int4": (0.5 + 4 / 32, INT8_BYTES)}
 
 
 def check_cpu_weights(wfmt: WeightFormat) -> None:
