@@ -155,8 +155,9 @@ def test_itl_slo_caps_the_batch_and_the_step():
 
 
 def test_itl_slo_holds_new_requests_in_the_queue(tiny_dir):
-    engine = make_engine(tiny_dir, max_num_batched_tokens=128, itl_slo_ms=100.0)
+    engine = make_engine(tiny_dir, max_num_batched_tokens=128, itl_slo_ms=100.0, prefill_share=2.5)
     budget = engine.scheduler.step_budget
+    assert budget.slo_ms == 100.0 and budget.prefill_share == 2.5  # the engine's settings reach it
     seen = []
     engine.add_step_listener(lambda s: seen.append(s.num_decode_seqs))
     for i in range(6):
@@ -176,9 +177,10 @@ def test_itl_slo_holds_new_requests_in_the_queue(tiny_dir):
     engine.check_integrity()
 
 
-def test_a_negative_itl_slo_is_one_line_and_exit_2(capsys):
+@pytest.mark.parametrize("flag", ["--itl-slo-ms", "--prefill-share"])
+def test_a_negative_step_budget_flag_is_one_line_and_exit_2(capsys, flag):
     from tierguard.cli.main import main
 
-    assert main(["serve", "--model", "tiny", "--itl-slo-ms", "-5"]) == 2
+    assert main(["serve", "--model", "tiny", flag, "-5"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "--itl-slo-ms must be >= 0" in err
+    assert err.count("\n") == 0 and f"{flag} must be >= 0" in err

@@ -81,8 +81,10 @@ def test_rebuilt_when_the_weights_move(tiny_dir, monkeypatch):
     first = model._fused
     assert isinstance(first, fused_decode.FusedDecoder)
     with torch.no_grad():
-        proj = model.layers[0].mlp.down_proj
+        proj = model.layers[0].self_attn.o_proj
         proj.weight = torch.nn.Parameter(proj.weight.clone() * 0)
     second = model._fused_decoder()
     assert isinstance(second, fused_decode.FusedDecoder) and second is not first
     assert model._fused_decoder() is second  # unchanged weights: reused
+    model.layers[1].self_attn.o_proj = torch.nn.Linear(proj.in_features, proj.out_features, bias=False)
+    assert model._fused_decoder() is not second  # a replaced module, too

@@ -80,6 +80,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "fit (default: the engine's; 0 turns the limit off)",
     )
     p.add_argument(
+        "--prefill-share",
+        type=float,
+        default=None,
+        help="with --target-itl-ms: prefill time a step that carries decodes may add, as a multiple "
+        "of the decode step's own time, when the decodes alone reach the target (default: the "
+        "engine's; more: throughput, less: shorter gaps)",
+    )
+    p.add_argument(
         "--itl-slo-ms",
         type=float,
         default=0.0,
@@ -123,6 +131,8 @@ def _validate(args: argparse.Namespace) -> None:
         raise TierguardError(f"--threads must be >= 1, got {args.threads}")
     if args.target_itl_ms is not None and args.target_itl_ms < 0:
         raise TierguardError(f"--target-itl-ms must be >= 0, got {args.target_itl_ms}")
+    if args.prefill_share is not None and args.prefill_share < 0:
+        raise TierguardError(f"--prefill-share must be >= 0, got {args.prefill_share}")
     if args.itl_slo_ms < 0:
         raise TierguardError(f"--itl-slo-ms must be >= 0 (0: off), got {args.itl_slo_ms}")
     if args.weights_offload_gib < 0:
@@ -158,6 +168,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         kwargs["target_itl_ms"] = args.target_itl_ms
     if args.itl_slo_ms:
         kwargs["itl_slo_ms"] = args.itl_slo_ms
+    if args.prefill_share is not None:
+        kwargs["prefill_share"] = args.prefill_share
     kwargs.update(tier_kwargs(args))  # validated before the model loads
     # Leave unset limits to the engine's defaults rather than guessing them here.
     if args.max_num_seqs is not None:

@@ -32,6 +32,9 @@ class EngineConfig:
     # Latency first (step_budget.py): steps with decodes under this, and new sequences
     # start only while the decode step leaves prefill room under it; 0: off.
     itl_slo_ms: float = 0.0
+    # Throughput side of --target-itl-ms: prefill time a step with decodes may add, as a
+    # multiple of the decode step's own time (step_budget.py).
+    prefill_share: float = 1.0
     # Decode-only steps of up to this many sequences run on static buffers, captured as
     # CUDA graphs on CUDA (decode_graphs.py); 0: off. Eager on the CPU (tests only).
     decode_graph_max_batch: int = 0
@@ -46,6 +49,8 @@ class EngineConfig:
             raise TierguardError(f"--kv-dtype must be auto, fp8 or int8, got {self.kv_dtype!r}")
         if not isinstance(self.target_itl_ms, int | float) or self.target_itl_ms < 0:
             raise TierguardError(f"--target-itl-ms must be >= 0 (0: no limit), got {self.target_itl_ms!r}")
+        if not isinstance(self.prefill_share, int | float) or self.prefill_share < 0:
+            raise TierguardError(f"--prefill-share must be >= 0, got {self.prefill_share!r}")
         if not isinstance(self.itl_slo_ms, int | float) or self.itl_slo_ms < 0:
             raise TierguardError(f"--itl-slo-ms must be >= 0 (0: off), got {self.itl_slo_ms!r}")
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):

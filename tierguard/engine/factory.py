@@ -35,6 +35,8 @@ DEFAULT_BATCHED_TOKENS = {"cpu": 512, "cuda": 2048}
 # beside decodes is the gap every stream sees. 100 ms is the sweep's default ITL SLO.
 # CUDA keeps whole chunks (its steps are short; not measured here).
 DEFAULT_TARGET_ITL_MS = {"cpu": 100.0, "cuda": 0.0}
+# Prefill time a step with decodes may add, as a multiple of the decode time (step_budget.py).
+DEFAULT_PREFILL_SHARE = 1.0
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -118,6 +120,7 @@ def build_engine(
     int4_group: int = 32,
     target_itl_ms: float | None = None,
     itl_slo_ms: float = 0.0,
+    prefill_share: float | None = None,
     cuda_graphs: bool = True,
     gguf_path: str | Path | None = None,
     kv_encrypt_key_file: str | None = None,
@@ -178,6 +181,7 @@ def build_engine(
         kv_dtype=kv_dtype,
         target_itl_ms=DEFAULT_TARGET_ITL_MS.get(dev.type, 0.0) if target_itl_ms is None else target_itl_ms,
         itl_slo_ms=itl_slo_ms,
+        prefill_share=DEFAULT_PREFILL_SHARE if prefill_share is None else prefill_share,
         decode_graph_max_batch=min(32, max_num_seqs) if cuda_graphs and dev.type == "cuda" else 0,
         kv_encrypt_key_file=kv_encrypt_key_file,  # cold KV at rest: tierguard/kv/aead_codec.py
         kv_encrypt_old_key_file=kv_encrypt_old_key_file,

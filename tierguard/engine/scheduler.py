@@ -71,7 +71,10 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order, oldest first
         self.num_preemptions = 0
         self.step_budget = step_budget or StepBudget(
-            config.target_itl_ms, min_tokens=config.block_size, slo_ms=config.itl_slo_ms
+            config.target_itl_ms,
+            min_tokens=config.block_size,
+            prefill_share=config.prefill_share,
+            slo_ms=config.itl_slo_ms,
         )
         self._prefill_cap = config.max_num_batched_tokens  # prefill tokens left in this step
 

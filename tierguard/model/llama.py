@@ -134,21 +134,21 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
     def _fused_decoder(self) -> FusedDecoder | None:
-        if self._fused is False or self.weight_offloader is not None or self._submodule_hooks():
+        if self._fused is False or self.weight_offloader is not None:
             return None
-        identity = FusedDecoder.identity(self)
-        if isinstance(self._fused, FusedDecoder) and identity == self._fused_identity:
-            return self._fused
+        fused = self._fused
+        if isinstance(fused, FusedDecoder) and not fused.stale():
+            return None if self._hooks_below(fused.submodules) else fused
         self._fused = fused_decode.build(self) or False
-        self._fused_identity = identity
-        return self._fused or None
+        return self._fused_decoder()
 
-    def _submodule_hooks(self) -> bool:
-        """Forward hooks below the model (a capture, a profiler's scopes) see per-op
-        modules run: the fused step would skip them, so it steps aside."""
+    @staticmethod
+    def _hooks_below(modules: list[nn.Module]) -> bool:
+        """Forward hooks below the model (a capture, a profiler's scopes) must see the
+        per-op modules run: the fused step would skip them, so it steps aside."""
         if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
             return True
-        return any(m._forward_hooks or m._forward_pre_hooks for m in self.modules() if m is not self)
+        return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens if self.lm_head is None else self.lm_head
