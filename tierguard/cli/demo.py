@@ -69,11 +69,16 @@ def real_model_section(console, run_dir: Path) -> None:
     with console.status("importing SmolLM2 from its GGUF (first run only)..."):
         resolve_model("smollm2")
     with console.status(f"kvcheck: int8 and fp8 vs the unquantized pool at {contexts} tokens..."):
-        # Half the cores, like the sweep's servers (TIERGUARD_NUM_THREADS, set by run()):
-        # on a 2-core machine that other work shares, two OpenMP threads wait on each other
-        # at every matmul. Measured there, this section: 1 thread 157 s wall, 2 threads
-        # still running after 250 s (stopped there).
-        spec = CheckSpec(model="smollm2", kv_dtypes=["int8", "fp8"], contexts=contexts, trials=20)
+        # Alone on the machine after the sweep: every core. On 2 idle cores this section
+        # took 64 s with 2 threads and 84 s with 1. On cores that other jobs keep busy two
+        # OpenMP threads wait on each other at every matmul (1 thread 157 s, 2 threads
+        # over 250 s at load 6): TIERGUARD_KVCHECK_THREADS=1 is the setting there.
+        from tierguard.engine.factory import default_threads
+
+        threads = int(os.environ.get("TIERGUARD_KVCHECK_THREADS", "0")) or default_threads()
+        spec = CheckSpec(
+            model="smollm2", kv_dtypes=["int8", "fp8"], contexts=contexts, trials=20, threads=threads
+        )
         doc = run_check(spec)
     write_outputs(doc, out)
     print_table(doc)

@@ -113,6 +113,10 @@ class DtypeSession:
             max_model_len=max_context,
             num_threads=threads,  # None: the engine's CPU default (half the cores)
             kv_dtype=kv_dtype,
+            # No stream waits on an offline check, and a step budget would cut prefill
+            # chunks by measured timings: the chunking (what a chunk attends unquantized)
+            # must be the same for every dtype and every run.
+            target_itl_ms=0.0,
         )
         self.run = DtypeRun(kv_dtype, torch.empty(0))
 
