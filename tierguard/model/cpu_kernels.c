@@ -40,15 +40,19 @@ typedef struct {
     float *work;             /* [batch * heads, work_stride] scores */
 } tg_decode_args;
 
+/* Sequence b's new K and V rows of KV heads [h0, h1) into its slot of the pool. */
+static void store_heads(const tg_decode_args *a, int b, int h0, int h1) {
+    const int D = a->head_dim, bs = a->block_size;
+    const int32_t slot = a->ctx[b] - 1;
+    const int32_t *table = a->tables + (int64_t)a->rows[b] * a->table_stride;
+    float *dst = a->pool + (int64_t)table[slot / bs] * a->blk_stride + (int64_t)(slot % bs) * a->kv_heads * D;
+    const int64_t off = (int64_t)h0 * D, n = (int64_t)(h1 - h0) * D;
+    memcpy(dst + off, a->k_new + b * a->k_stride + off, sizeof(float) * n);
+    memcpy(dst + a->v_offset + off, a->v_new + b * a->v_stride + off, sizeof(float) * n);
+}
+
 static void store_new(const tg_decode_args *a) {
-    const int KV = a->kv_heads, D = a->head_dim, bs = a->block_size;
-    for (int b = 0; b < a->batch; b++) {
-        const int32_t slot = a->ctx[b] - 1;
-        const int32_t *table = a->tables + (int64_t)a->rows[b] * a->table_stride;
-        float *dst = a->pool + (int64_t)table[slot / bs] * a->blk_stride + (int64_t)(slot % bs) * KV * D;
-        memcpy(dst, a->k_new + b * a->k_stride, sizeof(float) * KV * D);
-        memcpy(dst + a->v_offset, a->v_new + b * a->v_stride, sizeof(float) * KV * D);
-    }
+    for (int b = 0; b < a->batch; b++) store_heads(a, b, 0, a->kv_heads);
 }
 
 /* 8 floats; loads and stores through it need no alignment. */

@@ -105,7 +105,7 @@ def _f32(t: torch.Tensor | None, what: str) -> int | None:
     return t.data_ptr()
 
 
-def _lin(module: torch.nn.Module, keep: list[torch.Tensor], what: str) -> Lin:
+def _lin(module: torch.nn.Module, what: str) -> Lin:
     bias = getattr(module, "bias", None)
     if isinstance(module, Int8Linear):
         lin = Lin(KIND_INT8, 0, module.out_features, module.in_features, module.qweight.data_ptr(), module.scale.data_ptr())
@@ -126,8 +126,6 @@ def _lin(module: torch.nn.Module, keep: list[torch.Tensor], what: str) -> Lin:
     else:
         raise Unsupported(f"{what} is a {type(module).__name__}")
     lin.bias = _f32(bias, f"{what}.bias")
-    keep.extend(t for t in module.parameters())
-    keep.extend(t for t in module.buffers())
     return lin
 
 
@@ -153,7 +151,6 @@ class FusedDecoder:
             raise Unsupported("q/k norm (Qwen3)")
         if (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim != model.layers[0].self_attn.qkv_proj.out_features:
             raise Unsupported("fused q/k/v projection has an unexpected width")
-        self._keep: list[torch.Tensor] = []
         self._layers = (LayerW * cfg.num_layers)()
         for i, layer in enumerate(model.layers):
             w = self._layers[i]
@@ -161,9 +158,7 @@ class FusedDecoder:
             w.post_norm = _norm(layer.post_attention_layernorm, f"layers.{i}.post_attention_layernorm")
             attn, mlp = layer.self_attn, layer.mlp
             for name, module in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)):
-                setattr(w, name, _lin(module, self._keep, f"layers.{i}.{name}"))
-            self._keep += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-        self._keep.append(model.norm.weight)
+                setattr(w, name, _lin(module, f"layers.{i}.{name}"))
         self._model = ModelW(
             cfg.num_layers,
             cfg.hidden_size,
@@ -183,11 +178,12 @@ class FusedDecoder:
         self._watch(model)
 
     def _watch(self, model: torch.nn.Module) -> None:
-        """What `stale` compares: every module edge below the model and every tensor's
-        address, recorded once (walking the module tree each step cost ~1.3 ms)."""
+        """What `stale` compares: every module edge below the model and every tensor with
+        its address, recorded once (walking the module tree each step cost ~1.3 ms). The
+        tensors are held, so what the C side points at stays allocated."""
         self._edges = [(parent, name, child) for parent in model.modules() for name, child in parent._modules.items()]
         self._tensors = [
-            (module, name, t.data_ptr())
+            (module, name, t, t.data_ptr())
             for module in model.modules()
             for name, t in (*module._parameters.items(), *module._buffers.items())
             if t is not None
@@ -200,7 +196,7 @@ class FusedDecoder:
         for parent, name, child in self._edges:
             if parent._modules.get(name) is not child:
                 return True
-        for module, name, ptr in self._tensors:
+        for module, name, _held, ptr in self._tensors:
             t = module._parameters.get(name)
             if t is None:
                 t = module._buffers.get(name)

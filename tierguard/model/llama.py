@@ -15,7 +15,6 @@ from torch import nn
 from tierguard.model import fused_decode
 from tierguard.model.attention import AttentionMetadata, paged_attention
 from tierguard.model.config import ModelConfig
-from tierguard.model.fused_decode import FusedDecoder
 from tierguard.model.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary, matmul_weight_t
 from tierguard.model.qlinear import QuantEmbedding
 
@@ -107,7 +106,7 @@ class LlamaModel(nn.Module):
         self.weight_offloader: LayerStreamer | None = None
         # The whole-stack C decode step (fused_decode.py), built at the first decode-only
         # step on the CPU; False once it proved unusable for this model.
-        self._fused: FusedDecoder | None | bool = None
+        self._fused: fused_decode.FusedDecoder | None | bool = None
 
     def forward(
         self,
@@ -133,11 +132,11 @@ class LlamaModel(nn.Module):
             x = layer(x, rope, kv_cache[:, i], meta, None if kv_scale is None else kv_scale[:, i])
         return self.norm(x)
 
-    def _fused_decoder(self) -> FusedDecoder | None:
+    def _fused_decoder(self) -> fused_decode.FusedDecoder | None:
         if self._fused is False or self.weight_offloader is not None:
             return None
         fused = self._fused
-        if isinstance(fused, FusedDecoder) and not fused.stale():
+        if isinstance(fused, fused_decode.FusedDecoder) and not fused.stale():
             return None if self._hooks_below(fused.submodules) else fused
         self._fused = fused_decode.build(self) or False
         return self._fused_decoder()
