@@ -11,7 +11,7 @@ from tests.engine.conftest import make_engine, prompt_ids
 from tests.engine.test_hf_parity import run_and_record
 from tierguard.engine.api import SamplingParams
 from tierguard.engine.factory import build_engine
-from tierguard.engine.step_budget import UNMEASURED_CHUNK, StepBudget
+from tierguard.engine.step_budget import SLO_MIN_TOKENS, UNMEASURED_CHUNK, PrefillCost, StepBudget
 from tierguard.model import native
 
 PROMPTS = [prompt_ids(40 + i, 5 + 6 * i) for i in range(3)] + [prompt_ids(50, 13)]
@@ -124,6 +124,7 @@ def test_prefill_beside_decodes_is_chunked_to_the_target(tiny_dir):
     )
     for decode_ms, share in ((0.0, 1.0), (0.0, 1.0), (60.0, 1.0), (60.0, 0.0)):
         budget.ms_per_prefill_token, budget.decode_ms = 5.0, {1: decode_ms}  # hold the estimate
+        budget.prefill_fixed_ms = 0.0
         budget.prefill_share = share
         engine.step()
     # 50 ms / 5 ms per token = 10 tokens beside the decode; when the decode alone takes
@@ -142,16 +143,51 @@ def test_itl_slo_caps_the_batch_and_the_step():
     assert budget.enabled and budget.target_ms == 100.0  # the SLO is the step target
     assert budget.admits(0) and budget.admits(3)  # nothing measured: one more is tried
     budget.observe(0, 256, 0.512)  # 2 ms per prefill token
-    budget.observe(4, 0, 0.050)  # 4 decodes: 50 ms <= 0.6 x 100
+    budget.observe(4, 0, 0.050)  # 4 decodes: 50 ms, + a 16-token chunk (32 ms) <= 100
     assert budget.admits(4)  # 5 is unmeasured: the nearest smaller (4) says yes
-    budget.observe(5, 0, 0.070)  # 5 decodes: 70 ms > 60
+    budget.observe(5, 0, 0.070)  # 5 decodes: 70 + 32 > 100
     assert not budget.admits(5) and not budget.admits(9)
     assert budget.admits(3)  # 4 is still fine
     assert budget.admits(0)  # an empty batch always takes one
-    # no prefill share beyond the SLO: (100 - 70) / 2 = 15 -> the minimum 16
-    assert budget.prefill_tokens(5, 512) == 16
+    # no prefill share beyond the SLO: (100 - 70) / 2 = 15 (not raised to min_tokens)
+    assert budget.prefill_tokens(5, 512) == 15
     assert budget.prefill_tokens(4, 512) == 25  # (100 - 50) / 2
+    budget.decode_ms[5] = 97.0  # 3 ms of room: the queue still moves a little
+    assert budget.prefill_tokens(5, 512) == SLO_MIN_TOKENS
     assert StepBudget(100.0).admits(50)  # the throughput-first target never holds requests back
+
+
+def test_prefill_cost_fits_a_fixed_part_and_a_slope():
+    cost = PrefillCost(alpha=0.1)
+    assert cost.solve() is None
+    for n in (16, 64, 24, 200, 40, 16, 128):
+        cost.add(n, 12.0 + 2.5 * n)  # 12 ms per step with prefill, 2.5 ms per token
+    fixed, per = cost.solve()
+    assert fixed == pytest.approx(12.0) and per == pytest.approx(2.5)
+    same = PrefillCost()
+    for _ in range(5):
+        same.add(32, 96.0)  # one chunk size: no spread to split the two, a plain ratio
+    assert same.solve() == (0.0, pytest.approx(3.0))
+    odd = PrefillCost()
+    odd.add(10, 100.0)
+    odd.add(100, 110.0)
+    odd.add(200, 100.0)  # a flat or falling line: no negative slope, a ratio instead
+    fixed, per = odd.solve()
+    assert fixed == 0.0 and per > 0
+
+
+def test_slo_chunks_leave_room_for_the_fixed_cost():
+    budget = StepBudget(0.0, min_tokens=16, slo_ms=100.0)
+    budget.observe(4, 0, 0.040)  # 4 decodes: 40 ms
+    for n in (16, 48, 24, 64, 32):
+        budget.observe(4, n, (40.0 + 20.0 + 1.0 * n) / 1000)  # 20 ms fixed, 1 ms per token
+    assert budget.prefill_fixed_ms == pytest.approx(20.0)
+    assert budget.ms_per_prefill_token == pytest.approx(1.0)
+    # (100 - 40 - 20) / 1 = 40 tokens, where a ratio (~1.5 ms/token here) gave 40 / 1.5
+    assert budget.prefill_tokens(4, 512) == 40
+    budget.observe(7, 0, 0.070)
+    assert not budget.admits(6)  # 7 decodes: 70 + 20 fixed + a 16-token chunk = 106 > 100
+    assert budget.admits(5)  # 6: the nearest smaller measured (4): 40 + 36 <= 100
 
 
 def test_itl_slo_holds_new_requests_in_the_queue(tiny_dir):
@@ -163,11 +199,13 @@ def test_itl_slo_holds_new_requests_in_the_queue(tiny_dir):
     for i in range(6):
         engine.add_request(f"r{i}", prompt_ids(i, 8), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     budget.observe(0, 64, 0.064)  # 1 ms per prefill token
-    budget.decode_ms = {2: 30.0, 3: 90.0}  # a third stream would take the step past 60 ms
+    # a third stream leaves no room for a 4-token chunk (block size) within 100 ms
+    budget.decode_ms = {2: 30.0, 3: 98.0}
     engine.step()
-    assert len(engine.scheduler.running) == 2  # 2 fit (30 ms), a third would not (90 ms)
+    assert len(engine.scheduler.running) == 2  # 2 fit (30 ms), a third would not (98 ms)
     for _ in range(4):
-        budget.decode_ms = {2: 30.0, 3: 90.0}  # hold the estimates against the real timings
+        budget.decode_ms = {2: 30.0, 3: 98.0}  # hold the estimates against the real timings
+        budget.ms_per_prefill_token, budget.prefill_fixed_ms = 1.0, 0.0
         engine.step()
         assert len(engine.scheduler.running) <= 2
     assert len(engine.scheduler.waiting) == 4 and max(seen) <= 2

@@ -16,7 +16,7 @@ from tierguard.common.errors import TierguardError
 from tierguard.engine.decode_graphs import DecodeGraphs
 from tierguard.engine.scheduler import ScheduledSeq
 from tierguard.kv.spec import DevicePool, KVLayout, dtype_name
-from tierguard.model import native
+from tierguard.model import fused_decode, native
 from tierguard.model.attention import AttentionMetadata, PrefillChunk
 from tierguard.model.config import ModelConfig
 from tierguard.model.llama import LlamaModel
@@ -222,9 +222,35 @@ class ModelRunner:
         if slots:
             # With the kernel, decodes write their own K/V: slots cover the prefill rows only.
             meta.slot_mapping = torch.cat(slots)
+        if self.native_decode and meta.prefills and len(ids) <= fused_decode.MAX_BATCH:
+            meta.step_call = self._step_call(batch, rows, tables)
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos_t = torch.tensor(pos, dtype=torch.long).to(self.device, non_blocking=True)
         return input_ids, pos_t, meta, sample_rows
+
+    def _step_call(self, batch: list[ScheduledSeq], rows: list[int], tables: torch.Tensor) -> native.DecodeCall:
+        """A row per token of a step with prefill chunks, for the fused whole-step kernel:
+        a chunk's token at position p is a decode-like row with context p + 1 in its
+        sequence's table. Why: the per-op path costs a prefill-carrying step ~25 ms of op
+        overheads (SmolLM2, 2 cores) on top of its matmuls, whatever the chunk's size, so
+        the small chunks that keep a step under an ITL target paid mostly that."""
+        row_of: list[int] = []
+        ctx: list[int] = []
+        for s, table_row in zip(batch, rows, strict=True):
+            start = s.seq.num_computed_tokens
+            row_of.extend([table_row] * s.num_tokens)
+            ctx.extend(range(start + 1, start + s.num_tokens + 1))
+        cfg = self.cfg
+        return native.DecodeCall(
+            tables,
+            torch.tensor(row_of, dtype=torch.int32),
+            torch.tensor(ctx, dtype=torch.int32),
+            max(ctx),
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            self.block_size,
+        )
 
     def _logits_of_all(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.model(ids, positions, self.kv_cache, meta, self.kv_scale)

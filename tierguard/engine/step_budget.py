@@ -7,11 +7,16 @@ one stream. Decodes go first and are never cut; prefill chunks are sized from wh
 steps themselves took:
 
     step time  = max(target, (1 + prefill_share) x decode step time at this batch)
-    prefill tokens = (step time - decode step time) / prefill time per token
+    prefill tokens = (step time - decode step time - fixed) / prefill time per token
 
-both learned as moving averages of the engine's own steps (decode-only steps give the
-first, steps with prefill the second, after their decode part is taken off). A step
-without decodes is not limited (no stream waits on it). When the decodes alone take
+all learned from the engine's own steps: decode-only steps give the decode step time
+by batch size (moving averages); every step with prefill gives a point (its tokens, its
+time over its decodes' estimate) to a straight-line fit, whose intercept is the fixed
+cost of a step that carries prefill (one more pass over the weights, the per-op path's
+overheads) and whose slope is the time per prefill token (PrefillCost). A ratio alone
+(time over tokens) charged a 16-token chunk the fixed cost that a 256-token one spreads:
+chunks sized by it overshot the SLO (SmolLM2 int8, C=32: 142 ms steps for a 100 ms SLO).
+A step without decodes is not limited (no stream waits on it). When the decodes alone take
 about the target or more (a large batch, a slow CPU), a fixed target would starve the
 prefills: at 8 streams of SmolLM2 on 2 cores the decodes took ~150 ms, prefills got the
 16-token minimum, and output fell to 18 tok/s (29 with no budget at all). So prefills
@@ -19,9 +24,11 @@ always get `prefill_share` of the decode time: the gap grows by at most that fac
 over a decode-only step, and new requests keep flowing in.
 
 That is a throughput-first target. `--itl-slo-ms` is the latency-first one: a step that
-carries decodes is kept under it (prefills get what the decodes leave, at least
-`min_tokens`), and a new sequence starts only while the decode step at the larger batch
-is expected to take at most `SLO_DECODE_SHARE` of it. Whoever does not fit waits in
+carries decodes is kept under it (prefills get what the decodes and the fixed cost
+leave, at least `SLO_MIN_TOKENS` so the queue moves), and a new sequence starts only
+while a step with one more decode would still leave room for a `min_tokens` chunk
+(before any prefill was measured: while the decodes alone take at most
+`SLO_DECODE_SHARE` of it). Whoever does not fit waits in
 the queue (TTFT grows) instead of slowing every running stream: on 2 CPU cores a
 32-sequence decode step alone is several times a 1-sequence one, so without a cap the
 inter-token gap at high concurrency is set by the batch, not by the target. The decode
@@ -37,8 +44,46 @@ from dataclasses import dataclass, field
 # Before any prefill was measured (a decode is running but nothing was prefilled alone
 # yet, e.g. after a restart of the estimates), chunks are capped here.
 UNMEASURED_CHUNK = 64
-# With an ITL SLO, the share of it the decodes alone may take (the rest is prefill room).
+# With an ITL SLO and no prefill measured yet, the share of it the decodes alone may take.
 SLO_DECODE_SHARE = 0.6
+# With an ITL SLO, the smallest chunk a step with decodes still takes when the SLO leaves
+# less room: the queue keeps moving (a few ms over the SLO) instead of starving.
+SLO_MIN_TOKENS = 4
+
+
+@dataclass
+class PrefillCost:
+    """time ~ fixed + per_token x tokens, least squares over exponentially decayed sums
+    (the newest step weighs 1, one `k` steps older (1 - alpha)^k).
+
+    Invariant: `solve()` never returns a negative slope or intercept; points whose token
+    counts hardly vary (no spread to tell the two apart) give a ratio through the origin.
+    """
+
+    alpha: float = 0.1
+    s0: float = 0.0  # sum of weights
+    s1: float = 0.0  # sum of w x tokens
+    s2: float = 0.0  # sum of w x tokens^2
+    t0: float = 0.0  # sum of w x ms
+    t1: float = 0.0  # sum of w x tokens x ms
+
+    def add(self, tokens: int, ms: float) -> None:
+        k = 1.0 - self.alpha
+        n = float(tokens)
+        self.s0, self.s1, self.s2 = k * self.s0 + 1.0, k * self.s1 + n, k * self.s2 + n * n
+        self.t0, self.t1 = k * self.t0 + ms, k * self.t1 + n * ms
+
+    def solve(self) -> tuple[float, float] | None:
+        """(fixed ms, ms per token), or None before any point."""
+        if self.s1 <= 0:
+            return None
+        det = self.s0 * self.s2 - self.s1 * self.s1
+        if det > 0.01 * self.s0 * self.s2:  # the token counts vary: two unknowns
+            per = (self.s0 * self.t1 - self.s1 * self.t0) / det
+            fixed = (self.t0 - per * self.s1) / self.s0
+            if per > 0 and fixed >= 0:
+                return fixed, per
+        return 0.0, max(self.t0, 0.0) / self.s1
 
 
 @dataclass
@@ -46,10 +91,12 @@ class StepBudget:
     target_ms: float = 0.0  # 0: no limit
     min_tokens: int = 16
     prefill_share: float = 1.0  # prefill time allowed per step, as a fraction of the decode time
-    alpha: float = 0.25  # weight of the newest step in the moving averages
-    ms_per_prefill_token: float | None = None
+    alpha: float = 0.25  # weight of the newest step in the decode-time averages
+    ms_per_prefill_token: float | None = None  # the fit's slope (PrefillCost)
+    prefill_fixed_ms: float = 0.0  # the fit's intercept
     decode_ms: dict[int, float] = field(default_factory=dict)  # decode-only step time by batch size
     slo_ms: float = 0.0  # --itl-slo-ms: 0 off
+    prefill_cost: PrefillCost = field(default_factory=PrefillCost)
 
     def __post_init__(self) -> None:
         if self.slo_ms > 0:  # the SLO is also the step target
@@ -61,14 +108,19 @@ class StepBudget:
 
     def admits(self, num_running: int) -> bool:
         """Whether a new sequence may start beside `num_running` ones (always without an
-        SLO, and always into an empty batch)."""
+        SLO, and always into an empty batch): a step with one more decode must still
+        leave room for a `min_tokens` chunk within the SLO."""
         if self.slo_ms <= 0 or num_running == 0:
             return True
         want = num_running + 1
         known = [b for b in self.decode_ms if b <= want]
         if not known:
             return True
-        return self.decode_ms[max(known)] <= SLO_DECODE_SHARE * self.slo_ms
+        decode = self.decode_ms[max(known)]
+        if self.ms_per_prefill_token is None:
+            return decode <= SLO_DECODE_SHARE * self.slo_ms
+        chunk = self.prefill_fixed_ms + self.min_tokens * self.ms_per_prefill_token
+        return decode + chunk <= self.slo_ms
 
     def decode_step_ms(self, num_decodes: int) -> float:
         """Estimated time of a decode-only step: the measured batch size, else the nearest
@@ -87,9 +139,12 @@ class StepBudget:
         if self.ms_per_prefill_token is None:
             return min(limit, UNMEASURED_CHUNK)
         decode = self.decode_step_ms(num_decodes)
-        share = 0.0 if self.slo_ms > 0 else self.prefill_share
-        room = max(self.target_ms, (1.0 + share) * decode) - decode
-        return min(limit, max(self.min_tokens, int(room / self.ms_per_prefill_token)))
+        if self.slo_ms > 0:
+            room, floor = self.target_ms - decode, SLO_MIN_TOKENS
+        else:
+            room, floor = max(self.target_ms, (1.0 + self.prefill_share) * decode) - decode, self.min_tokens
+        fit = int((room - self.prefill_fixed_ms) / self.ms_per_prefill_token + 1e-9)
+        return min(limit, max(floor, fit))
 
     def observe(self, num_decodes: int, prefill_tokens: int, seconds: float) -> None:
         """One finished step: how many decodes and prefill tokens it carried, how long it took."""
@@ -99,6 +154,8 @@ class StepBudget:
                 old = self.decode_ms.get(num_decodes)
                 self.decode_ms[num_decodes] = ms if old is None else old + self.alpha * (ms - old)
             return
-        per = max(ms - (self.decode_step_ms(num_decodes) if num_decodes else 0.0), 0.0) / prefill_tokens
-        old = self.ms_per_prefill_token
-        self.ms_per_prefill_token = per if old is None else old + self.alpha * (per - old)
+        over = max(ms - (self.decode_step_ms(num_decodes) if num_decodes else 0.0), 0.0)
+        self.prefill_cost.add(prefill_tokens, over)
+        fit = self.prefill_cost.solve()
+        if fit is not None:
+            self.prefill_fixed_ms, self.ms_per_prefill_token = fit

@@ -66,6 +66,11 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
     # native.DecodeCall when the decodes use the CPU kernel (then decode_blocks/mask are unused).
     decode_call: Any = None
+    # A DecodeCall with a row for every token of the step, decodes and prefill chunks alike
+    # (a chunk's token i: its sequence's table row, context num_cached + i + 1), for the
+    # fused whole-step kernel (tierguard/model/fused_decode.py); the fields above remain
+    # for the per-op path, which runs when the fused step steps aside.
+    step_call: Any = None
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:

@@ -90,6 +90,7 @@ class StepArgs(ctypes.Structure):
         ("scratch", ctypes.c_void_p),
         ("threads", ctypes.c_int64),
         ("work", ctypes.c_void_p),
+        ("ordered", ctypes.c_int64),
     ]
 
 
@@ -210,11 +211,14 @@ class FusedDecoder:
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         call: native.DecodeCall,
+        ordered: bool = False,
     ) -> torch.Tensor | None:
         """x: [B, hidden] embeddings (clobbered); rope: cos / signed sin [B, 1, D];
         kv_cache: [N, layers, 2, bs, KV, D]; call: the step's DecodeCall (block tables,
-        rows, context lengths, score buffer). Returns final-normed hidden states, or None
-        when the C step refused the shape."""
+        rows, context lengths, score buffer), one row per token. `ordered`: some rows are
+        tokens of one prefill chunk (each row's context ends at its own position), so all
+        K/V are written before any row attends. Returns final-normed hidden states, or
+        None when the C step refused the shape."""
         b = x.shape[0]
         if b > MAX_BATCH:
             return None
@@ -248,6 +252,7 @@ class FusedDecoder:
             self._scratch.data_ptr(),
             threads,
             d.work,
+            int(ordered),
         )
         if self._fn(ctypes.byref(args)) != 0:
             return None

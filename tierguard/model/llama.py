@@ -122,10 +122,11 @@ class LlamaModel(nn.Module):
         """
         x = self.embed_tokens(input_ids)
         rope = self.rotary.tables(positions, x.dtype)
-        if meta.decode_call is not None and not meta.prefills and kv_scale is None and x.dtype == torch.float32:
+        call = meta.step_call if meta.step_call is not None else (None if meta.prefills else meta.decode_call)
+        if call is not None and kv_scale is None and x.dtype == torch.float32:
             fused = self._fused_decoder()
             if fused is not None:
-                out = fused.run(x, rope, kv_cache, meta.decode_call)
+                out = fused.run(x, rope, kv_cache, call, ordered=bool(meta.prefills))
                 if out is not None:
                     return out
         for i, layer in enumerate(self.layers):

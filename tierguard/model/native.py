@@ -37,7 +37,7 @@ INCLUDES = [Path(__file__).with_name("decode_step.inc")]
 # on flush-to-zero for the whole process (Python floats included) when the library loads.
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c99"]
 LINK_FLAGS = ["-shared", "-fopenmp"]
-ABI_VERSION = 7
+ABI_VERSION = 9
 
 
 class DecodeArgs(ctypes.Structure):
