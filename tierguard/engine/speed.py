@@ -29,14 +29,22 @@ def measure(
     engine, batch: int, prompt_len: int, steps: int, temperature: float, profile: int = 0
 ) -> dict:
     prompt = [(7 * i) % (engine.model_config.vocab_size - 10) + 5 for i in range(prompt_len)]
+    # the first sequences decode while the later ones prefill: their tokens must last
+    prefill_steps = -(-batch * prompt_len // engine.config.max_num_batched_tokens)
     for i in range(batch):
         engine.add_request(
             f"speed-{batch}-{i}",
             [(t + i) % (engine.model_config.vocab_size - 10) + 5 for t in prompt],  # distinct: no prefix hits
-            SamplingParams(max_tokens=steps + profile + 8, temperature=temperature, seed=i, ignore_eos=True),
+            SamplingParams(
+                max_tokens=steps + profile + prefill_steps + 8, temperature=temperature, seed=i, ignore_eos=True
+            ),
         )
     while any(s.is_prefill for s in engine.seqs.values()):
         engine.step()
+    running = len(engine.scheduler.running)
+    if running < batch:
+        print(f"speed probe: only {running} of {batch} sequences fit the KV pool; raise --kv-cache-gib", file=sys.stderr)
+        sys.exit(2)
     engine.step()
     start, cpu_start, tokens = time.perf_counter(), time.process_time(), 0
     for _ in range(steps):
@@ -92,6 +100,9 @@ def main() -> None:
         max_model_len=max_len,
         max_num_seqs=max(batches),
         max_num_batched_tokens=max(512, max(batches)),
+        # steady-state decode of the whole batch: no step budget, which would keep later
+        # prefills queued while the first sequences decode (a "batch 32" ran ~4 sequences)
+        target_itl_ms=0.0,
     )
     profile = 0 if args.no_profile else args.profile_steps
     for b in batches:
