@@ -132,9 +132,9 @@ class QuantLinear(nn.Module):
     """Common part: shapes, optional float bias, the many-rows path, byte count."""
 
     # Rows up to which the C GEMV (8 rows at a time over each cached weight block) is used
-    # instead of dequantize-then-GEMM. SmolLM2, 2 cores, decode batch 32
-    # (`python -m tierguard.engine.speed --batch 32 --weight-dtype int8`): int8 61 -> 162
-    # tok/s, int4 55 -> 118 tok/s with 64 instead of 8.
+    # instead of dequantize-then-GEMM: the whole fused step's limit. SmolLM2, 2 cores,
+    # 32 decodes (`python -m tierguard.engine.speed --batch 32 --weight-dtype int8|int4`,
+    # all 32 decoding): int8 252 tok/s, int4 207, float32 weights 168.
     gemv_rows = native.MAX_QUANT_GEMV_ROWS
 
     in_features: int
