@@ -456,10 +456,12 @@ static float *widen_buffer(int64_t floats) {
     return tg_wbuf;
 }
 
-/* Returns 0 (done) or -1 (no buffer: the caller takes the few-rows path). */
+/* Returns 0 (done) or -1 (TG_MAX_M rows or fewer, or no buffer: the caller takes the
+ * few-rows path, which widens in registers). */
 static int gemv_widened(const float *x, int64_t M_all, int64_t K, const int8_t *w8, const uint8_t *w4,
                         const uint16_t *scale, const uint16_t *lo, int64_t G, int64_t n0, int64_t n1, float *y,
                         int64_t ldy) {
+    if (M_all <= TG_MAX_M) return -1;
     float *buf = widen_buffer((n1 - n0) * K);
     if (!buf) return -1;
     for (int64_t n = n0; n < n1; n++) {
@@ -479,7 +481,7 @@ int tg_gemv_int8(const float *x, int64_t M_all, int64_t K, const int8_t *w, cons
 #pragma omp parallel for schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += 16) {
         const int64_t n1 = n0 + 16 < N ? n0 + 16 : N;
-        if (M_all <= TG_MAX_M || gemv_widened(x, M_all, K, w, NULL, scale, NULL, 32, n0, n1, y, ldy))
+        if (gemv_widened(x, M_all, K, w, NULL, scale, NULL, 32, n0, n1, y, ldy))
             TG_CHUNKS(gemv_int8_rows(x + m0 * K, M, K, w, scale, n0, n1, y + m0 * ldy, ldy))
     }
     return 0;
@@ -510,7 +512,7 @@ int tg_gemv_int4(const float *x, int64_t M_all, int64_t K, const uint8_t *w, con
 #pragma omp parallel for schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += 16) {
         const int64_t n1 = n0 + 16 < N ? n0 + 16 : N;
-        if (M_all <= TG_MAX_M || gemv_widened(x, M_all, K, NULL, w, scale, lo, G, n0, n1, y, ldy))
+        if (gemv_widened(x, M_all, K, NULL, w, scale, lo, G, n0, n1, y, ldy))
             TG_CHUNKS(gemv_int4_rows(x + m0 * K, M, K, w, scale, lo, G, xsum + m0 * ng, n0, n1, y + m0 * ldy, ldy))
     }
     free(xsum);
