@@ -143,18 +143,80 @@ def test_itl_slo_caps_the_batch_and_the_step():
     assert budget.enabled and budget.target_ms == 100.0  # the SLO is the step target
     assert budget.admits(0) and budget.admits(3)  # nothing measured: one more is tried
     budget.observe(0, 256, 0.512)  # 2 ms per prefill token
-    budget.observe(4, 0, 0.050)  # 4 decodes: 50 ms, + a 16-token chunk (32 ms) <= 100
+    budget.observe(4, 0, 0.050)  # 4 decodes: 50 ms, + the smallest chunk (4 tokens, 8 ms) <= 100
     assert budget.admits(4)  # 5 is unmeasured: the nearest smaller (4) says yes
-    budget.observe(5, 0, 0.070)  # 5 decodes: 70 + 32 > 100
+    budget.observe(5, 0, 0.095)  # 5 decodes: 95 + 8 > 100
     assert not budget.admits(5) and not budget.admits(9)
     assert budget.admits(3)  # 4 is still fine
     assert budget.admits(0)  # an empty batch always takes one
+    budget.decode_ms[5] = 70.0
     # no prefill share beyond the SLO: (100 - 70) / 2 = 15 (not raised to min_tokens)
     assert budget.prefill_tokens(5, 512) == 15
     assert budget.prefill_tokens(4, 512) == 25  # (100 - 50) / 2
     budget.decode_ms[5] = 97.0  # 3 ms of room: the queue still moves a little
     assert budget.prefill_tokens(5, 512) == SLO_MIN_TOKENS
     assert StepBudget(100.0).admits(50)  # the throughput-first target never holds requests back
+
+
+def test_slo_chunk_cap_backs_off_after_an_overshoot_and_probes_back():
+    budget = StepBudget(0.0, min_tokens=16, slo_ms=90.0)
+    budget.observe(4, 0, 0.030)
+    for n in (10, 12, 14, 16, 11):
+        budget.observe(4, n, (30.0 + 0.5 * n) / 1000)  # a flat line: a slope far too low
+    assert budget.prefill_tokens(4, 512) > 64  # what the fit alone would let through
+    budget.observe(4, 64, 0.240)  # and it did: 240 ms for a 90 ms SLO
+    assert budget.slo_cap == 48.0
+    assert budget.prefill_tokens(4, 512) <= 48
+    budget.observe(4, 48, 0.120)
+    assert budget.prefill_tokens(4, 512) <= 36  # over again: 0.75 x 48
+    cap = budget.slo_cap
+    budget.observe(4, int(cap), 0.080)  # the whole cap, under the SLO: probe upwards
+    assert budget.slo_cap == cap + 2
+    budget.observe(4, 5, 0.050)  # a step that did not use the cap says nothing about it
+    assert budget.slo_cap == cap + 2
+    budget.observe(4, 1, 0.500)  # however slow a step is, the cap keeps the smallest chunk
+    assert budget.prefill_tokens(4, 512) == SLO_MIN_TOKENS
+    assert StepBudget(100.0).slo_cap == float("inf")  # the throughput-first target has none
+
+
+def test_one_slow_step_does_not_close_admission_for_good():
+    budget = StepBudget(0.0, min_tokens=16, slo_ms=90.0)
+    budget.observe(0, 240, 0.672)  # 2.8 ms per token alone
+    budget.observe(1, 0, 0.020)
+    budget.observe(2, 0, 0.100)  # one slow step at 2 (noise): 100 ms, over the SLO alone
+    # 2 decodes cost at most twice 1: 40 + a 4-token chunk (11 ms) fits 90
+    assert budget.admits(1)
+    budget.observe(3, 0, 0.085)
+    assert not budget.admits(2)  # 3 is measured at 85 (within 1.5 x 2's 40-60): no room
+    budget.decode_ms[2] = 30.0
+    assert budget.admits(2)  # min(85, 30 x 3 / 2 = 45) + 11 fits
+
+
+def test_a_chunk_that_cost_nothing_measurable_never_divides_by_zero():
+    budget = StepBudget(0.0, min_tokens=16, slo_ms=90.0)
+    budget.observe(2, 0, 0.030)
+    budget.observe(2, 4, 0.021)  # faster than its decodes' estimate (noise): 0 ms over
+    assert PrefillCost(s0=1.0, s1=4.0, s2=16.0).solve() is None
+    assert budget.prefill_tokens(2, 512) == UNMEASURED_CHUNK  # still unmeasured, no ZeroDivisionError
+    budget.observe(0, 240, 0.672)
+    assert budget.prefill_tokens(2, 512) == 21  # the seed from a prefill alone: (90 - 30) / 2.8
+
+
+def test_prefill_alone_only_seeds_the_cost_of_a_chunk_beside_decodes():
+    """Prefill-only steps run long chunks at about half the per-token cost of a small
+    chunk beside decodes; one line through both regimes had an intercept no mixed step
+    has, and admission read it as no room (the server ran one sequence at a time)."""
+    budget = StepBudget(0.0, min_tokens=16, slo_ms=90.0)
+    budget.observe(0, 240, 0.676)  # alone: 2.8 ms per token
+    assert budget.ms_per_prefill_token == pytest.approx(676 / 240)
+    budget.observe(1, 0, 0.021)
+    for n in (14, 6, 10, 4, 12):
+        budget.observe(1, n, (21.0 + 4.9 * n) / 1000)  # beside a decode: 4.9 ms per token
+        budget.observe(0, 240, 0.676)  # more prefills alone change nothing now
+    assert budget.ms_per_prefill_token == pytest.approx(4.9)
+    assert budget.prefill_fixed_ms == pytest.approx(0.0, abs=1e-6)
+    assert budget.admits(1)  # 21 + 4 x 4.9 <= 90; the mixed line (31 ms intercept) said no
+    assert budget.prefill_tokens(1, 512) == 14  # (90 - 21) / 4.9
 
 
 def test_prefill_cost_fits_a_fixed_part_and_a_slope():
@@ -185,9 +247,10 @@ def test_slo_chunks_leave_room_for_the_fixed_cost():
     assert budget.ms_per_prefill_token == pytest.approx(1.0)
     # (100 - 40 - 20) / 1 = 40 tokens, where a ratio (~1.5 ms/token here) gave 40 / 1.5
     assert budget.prefill_tokens(4, 512) == 40
-    budget.observe(7, 0, 0.070)
-    assert not budget.admits(6)  # 7 decodes: 70 + 20 fixed + a 16-token chunk = 106 > 100
-    assert budget.admits(5)  # 6: the nearest smaller measured (4): 40 + 36 <= 100
+    budget.observe(6, 0, 0.075)
+    budget.observe(7, 0, 0.077)
+    assert not budget.admits(6)  # 7 decodes: 77 + 20 fixed + a 4-token chunk = 101 > 100
+    assert budget.admits(4)  # 5: the nearest smaller measured (4): 40 + 24 <= 100
 
 
 def test_itl_slo_holds_new_requests_in_the_queue(tiny_dir):
@@ -200,11 +263,11 @@ def test_itl_slo_holds_new_requests_in_the_queue(tiny_dir):
         engine.add_request(f"r{i}", prompt_ids(i, 8), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     budget.observe(0, 64, 0.064)  # 1 ms per prefill token
     # a third stream leaves no room for a 4-token chunk (block size) within 100 ms
-    budget.decode_ms = {2: 30.0, 3: 98.0}
+    budget.decode_ms = {2: 66.0, 3: 98.0}
     engine.step()
-    assert len(engine.scheduler.running) == 2  # 2 fit (30 ms), a third would not (98 ms)
+    assert len(engine.scheduler.running) == 2  # 2 fit (66 ms), a third would not (98 ms)
     for _ in range(4):
-        budget.decode_ms = {2: 30.0, 3: 98.0}  # hold the estimates against the real timings
+        budget.decode_ms = {2: 66.0, 3: 98.0}  # hold the estimates against the real timings
         budget.ms_per_prefill_token, budget.prefill_fixed_ms = 1.0, 0.0
         engine.step()
         assert len(engine.scheduler.running) <= 2

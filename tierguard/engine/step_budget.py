@@ -10,10 +10,16 @@ steps themselves took:
     prefill tokens = (step time - decode step time - fixed) / prefill time per token
 
 all learned from the engine's own steps: decode-only steps give the decode step time
-by batch size (moving averages); every step with prefill gives a point (its tokens, its
-time over its decodes' estimate) to a straight-line fit, whose intercept is the fixed
-cost of a step that carries prefill (one more pass over the weights, the per-op path's
-overheads) and whose slope is the time per prefill token (PrefillCost). A ratio alone
+by batch size (moving averages); every step with prefill beside decodes gives a point
+(its tokens, its time over its decodes' estimate) to a straight-line fit, whose intercept
+is the fixed cost of a step that carries prefill (one more pass over the weights, the
+per-op path's overheads) and whose slope is the time per prefill token (PrefillCost).
+Steps of prefill alone only seed the estimate until a mixed step is seen: they run
+another path (long chunks, a GEMM on whole weight tiles) at about half the per-token
+cost of a small chunk in a fused step with decodes, and one line through both regimes
+(SmolLM2 int8: 240 tokens alone in 676 ms, 14 beside a decode in 69 ms) had a 31 ms
+intercept that no mixed step has; admission read it as no room and ran the server one
+sequence at a time (32 tok/s at C=32, p99 gap 49 ms for a 90 ms SLO). A ratio alone
 (time over tokens) charged a 16-token chunk the fixed cost that a 256-token one spreads:
 chunks sized by it overshot the SLO (SmolLM2 int8, C=32: 142 ms steps for a 100 ms SLO).
 A step without decodes is not limited (no stream waits on it). When the decodes alone take
@@ -26,9 +32,13 @@ over a decode-only step, and new requests keep flowing in.
 That is a throughput-first target. `--itl-slo-ms` is the latency-first one: a step that
 carries decodes is kept under it (prefills get what the decodes and the fixed cost
 leave, at least `SLO_MIN_TOKENS` so the queue moves), and a new sequence starts only
-while a step with one more decode would still leave room for a `min_tokens` chunk
+while a step with one more decode would still leave room for that smallest chunk
 (before any prefill was measured: while the decodes alone take at most
-`SLO_DECODE_SHARE` of it). Whoever does not fit waits in
+`SLO_DECODE_SHARE` of it). The fit is noisy where chunks hardly vary (a slope from
+points of 10-24 tokens let a 65-token chunk through: a 247 ms step under a 90 ms SLO),
+so under an SLO the chunk also has a cap that backs off and probes (AIMD): a step over
+the SLO sets it to `SLO_BACKOFF` x that step's chunk, and each step that used the whole
+cap and stayed under raises it by `SLO_PROBE_TOKENS`. Whoever does not fit waits in
 the queue (TTFT grows) instead of slowing every running stream: on 2 CPU cores a
 32-sequence decode step alone is several times a 1-sequence one, so without a cap the
 inter-token gap at high concurrency is set by the batch, not by the target. The decode
@@ -49,6 +59,9 @@ SLO_DECODE_SHARE = 0.6
 # With an ITL SLO, the smallest chunk a step with decodes still takes when the SLO leaves
 # less room: the queue keeps moving (a few ms over the SLO) instead of starving.
 SLO_MIN_TOKENS = 4
+# The SLO chunk cap (AIMD): its cut after a step over the SLO, and its rise after a full one under.
+SLO_BACKOFF = 0.75
+SLO_PROBE_TOKENS = 2
 
 
 @dataclass
@@ -74,7 +87,7 @@ class PrefillCost:
         self.t0, self.t1 = k * self.t0 + ms, k * self.t1 + n * ms
 
     def solve(self) -> tuple[float, float] | None:
-        """(fixed ms, ms per token), or None before any point."""
+        """(fixed ms, ms per token > 0), or None before any point that took time."""
         if self.s1 <= 0:
             return None
         det = self.s0 * self.s2 - self.s1 * self.s1
@@ -83,7 +96,9 @@ class PrefillCost:
             fixed = (self.t0 - per * self.s1) / self.s0
             if per > 0 and fixed >= 0:
                 return fixed, per
-        return 0.0, max(self.t0, 0.0) / self.s1
+        if self.t0 <= 0:  # every step took no longer than its decodes: no slope to divide by
+            return None
+        return 0.0, self.t0 / self.s1
 
 
 @dataclass
@@ -96,7 +111,9 @@ class StepBudget:
     prefill_fixed_ms: float = 0.0  # the fit's intercept
     decode_ms: dict[int, float] = field(default_factory=dict)  # decode-only step time by batch size
     slo_ms: float = 0.0  # --itl-slo-ms: 0 off
-    prefill_cost: PrefillCost = field(default_factory=PrefillCost)
+    prefill_cost: PrefillCost = field(default_factory=PrefillCost)  # steps with decodes
+    alone_cost: PrefillCost = field(default_factory=PrefillCost)  # prefill-only steps: the seed
+    slo_cap: float = float("inf")  # SLO chunk cap (AIMD); unset until a step overshoots
 
     def __post_init__(self) -> None:
         if self.slo_ms > 0:  # the SLO is also the step target
@@ -109,7 +126,7 @@ class StepBudget:
     def admits(self, num_running: int) -> bool:
         """Whether a new sequence may start beside `num_running` ones (always without an
         SLO, and always into an empty batch): a step with one more decode must still
-        leave room for a `min_tokens` chunk within the SLO."""
+        leave room for the smallest chunk (`SLO_MIN_TOKENS`) within the SLO."""
         if self.slo_ms <= 0 or num_running == 0:
             return True
         want = num_running + 1
@@ -117,9 +134,17 @@ class StepBudget:
         if not known:
             return True
         decode = self.decode_ms[max(known)]
+        smaller = [b for b in known if b < want]
+        if smaller:
+            # One more row adds at most its share: a batch's estimate is kept within the
+            # linear scaling of a smaller one's. Without it one slow 2-decode step (32
+            # requests arriving at once, 100 ms) refused every second sequence, and as
+            # nothing then ran at 2 the estimate never healed: 18 s of one-at-a-time.
+            b = max(smaller)
+            decode = min(decode, self.decode_ms[b] * want / b)
         if self.ms_per_prefill_token is None:
             return decode <= SLO_DECODE_SHARE * self.slo_ms
-        chunk = self.prefill_fixed_ms + self.min_tokens * self.ms_per_prefill_token
+        chunk = self.prefill_fixed_ms + SLO_MIN_TOKENS * self.ms_per_prefill_token
         return decode + chunk <= self.slo_ms
 
     def decode_step_ms(self, num_decodes: int) -> float:
@@ -144,6 +169,8 @@ class StepBudget:
         else:
             room, floor = max(self.target_ms, (1.0 + self.prefill_share) * decode) - decode, self.min_tokens
         fit = int((room - self.prefill_fixed_ms) / self.ms_per_prefill_token + 1e-9)
+        if self.slo_ms > 0 and self.slo_cap < fit:
+            fit = int(self.slo_cap)
         return min(limit, max(floor, fit))
 
     def observe(self, num_decodes: int, prefill_tokens: int, seconds: float) -> None:
@@ -154,8 +181,15 @@ class StepBudget:
                 old = self.decode_ms.get(num_decodes)
                 self.decode_ms[num_decodes] = ms if old is None else old + self.alpha * (ms - old)
             return
-        over = max(ms - (self.decode_step_ms(num_decodes) if num_decodes else 0.0), 0.0)
-        self.prefill_cost.add(prefill_tokens, over)
-        fit = self.prefill_cost.solve()
+        if num_decodes:
+            self.prefill_cost.add(prefill_tokens, max(ms - self.decode_step_ms(num_decodes), 0.0))
+            if self.slo_ms > 0:
+                if ms > self.slo_ms:
+                    self.slo_cap = max(float(SLO_MIN_TOKENS), SLO_BACKOFF * prefill_tokens)
+                elif prefill_tokens >= int(min(self.slo_cap, 1e9)):
+                    self.slo_cap += SLO_PROBE_TOKENS
+        else:
+            self.alone_cost.add(prefill_tokens, ms)
+        fit = self.prefill_cost.solve() or self.alone_cost.solve()
         if fit is not None:
             self.prefill_fixed_ms, self.ms_per_prefill_token = fit

@@ -1,0 +1,136 @@
+"""Batched-step matmul in the C kernels: 4 x 3 register tiles against the row-at-a-time loop.
+
+A decode step of more than 8 rows (a batch of decodes, a prefill chunk beside them)
+multiplies every weight block by all its rows. `gemm_f32_tiled` (cpu_kernels.c) keeps a
+4-row x 3-weight-row tile of accumulators in registers; before it, `gemv_f32_rows` ran
+chunks of 8 rows, one loaded x vector per FMA. Both are compiled here from the engine's
+own source with its flags (tierguard/model/native.py) into one small harness, and timed
+alternately in the same process on SmolLM2's layer shapes (float32 weight rows, as the
+int8 / int4 paths widen them per 16-row block), split over OpenMP threads in 16-row
+blocks as the engine does. Prints one JSON object: median GFMA/s of each and their ratio.
+
+    python bench/cpu_gemm_tiles.py [--threads 2] [--reps 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tierguard.model import native  # noqa: E402
+
+SHAPES = [(3072, 576), (576, 1536), (576, 576)]  # gate_up, down, o (N x K)
+ROWS = [12, 16, 24, 32, 48, 64]
+
+HARNESS = r"""
+#include "%(source)s"
+#include <stdio.h>
+#include <time.h>
+static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
+static int cmp(const void *a, const void *b) { double x = *(const double *)a, y = *(const double *)b; return x < y ? -1 : x > y; }
+int main(int argc, char **argv) {
+    const int64_t N = atoll(argv[1]), K = atoll(argv[2]), M_all = atoll(argv[3]);
+    const int reps = atoi(argv[4]);
+    float *w = malloc(sizeof(float) * N * K), *x = malloc(sizeof(float) * M_all * K), *y = malloc(sizeof(float) * M_all * N);
+    float *y2 = malloc(sizeof(float) * M_all * N);
+    double *t0 = malloc(sizeof(double) * reps), *t1 = malloc(sizeof(double) * reps);
+    for (int64_t i = 0; i < N * K; i++) w[i] = (float)((i * 7919) %% 201 - 100) * 1e-3f;
+    for (int64_t i = 0; i < M_all * K; i++) x[i] = (float)((i * 104729) %% 101 - 50) * 1e-2f;
+    for (int r = -2; r < reps; r++)
+        for (int mode = 0; mode < 2; mode++) {
+            const double t = now();
+#pragma omp parallel for schedule(static)
+            for (int64_t n0 = 0; n0 < N; n0 += 16) {
+                const int64_t n1 = n0 + 16 < N ? n0 + 16 : N;
+                if (mode == 0) gemm_f32_tiled(x, M_all, K, w + n0 * K, n1 - n0, y + n0, N);
+                else TG_CHUNKS(gemv_f32_rows(x + m0 * K, M, K, w, n0, n1, y2 + m0 * N, N))
+            }
+            if (r >= 0) (mode ? t1 : t0)[r] = now() - t;
+        }
+    double err = 0;
+    for (int64_t i = 0; i < M_all * N; i++) { double d = fabs(y[i] - y2[i]); if (d > err) err = d; }
+    qsort(t0, reps, sizeof(double), cmp);
+    qsort(t1, reps, sizeof(double), cmp);
+    printf("%%.6f %%.6f %%.3g\n", t0[reps / 2], t1[reps / 2], err);
+    return 0;
+}
+"""
+
+
+def build(workdir: Path) -> Path:
+    cc = native._compiler()
+    if cc is None:
+        raise SystemExit("bench/cpu_gemm_tiles.py: no C compiler (cc, gcc or clang) on PATH")
+    src = workdir / "harness.c"
+    src.write_text(HARNESS % {"source": native.SOURCE})
+    exe = workdir / "harness"
+    flags = [f for f in native.FLAGS if f not in ("-fPIC", "-std=c99")] + ["-std=gnu99"]
+    proc = subprocess.run([cc, *flags, str(src), "-o", str(exe), "-lm"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"bench/cpu_gemm_tiles.py: {cc} failed: {proc.stderr.strip()[-400:]}")
+    return exe
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--reps", type=int, default=15)
+    args = ap.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="tg_tiles_"))
+    try:
+        exe = build(workdir)
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+        rows = []
+        for n, k in SHAPES:
+            for m in ROWS:
+                out = subprocess.run(
+                    [str(exe), str(n), str(k), str(m), str(args.reps)],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                ).stdout.split()
+                tiled, loop, err = float(out[0]), float(out[1]), float(out[2])
+                fma = m * n * k
+                rows.append(
+                    {
+                        "n": n,
+                        "k": k,
+                        "rows": m,
+                        "tiled_gfma_s": round(fma / tiled / 1e9, 1),
+                        "row_loop_gfma_s": round(fma / loop / 1e9, 1),
+                        "speedup": round(loop / tiled, 2),
+                        "max_abs_diff": err,
+                    }
+                )
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    speedups = sorted(r["speedup"] for r in rows)
+    print(
+        json.dumps(
+            {
+                "bench": "cpu_gemm_tiles",
+                "threads": args.threads,
+                "reps": args.reps,
+                "speedup_min": speedups[0],
+                "speedup_median": speedups[len(speedups) // 2],
+                "speedup_max": speedups[-1],
+                "shapes": rows,
+            },
+            indent=2,
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
