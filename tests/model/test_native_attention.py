@@ -24,19 +24,15 @@ def _torch_decode(q, k, v, layer, tables, ctx, bs):
     return paged_attention(q, k, v, layer, meta), layer
 
 
-@pytest.mark.parametrize(
-    "heads,kv_heads,head_dim,bs",
-    [(9, 3, 64, 16), (8, 8, 32, 4), (8, 2, 36, 8), (4, 1, 128, 16)],  # GQA, MHA, odd dim, MQA
-)
-def test_kernel_matches_torch_path(heads, kv_heads, head_dim, bs):
-    gen = torch.Generator().manual_seed(heads * 100 + head_dim)
-    num_blocks, batch = 64, 5
+def _check_kernel(heads, kv_heads, head_dim, bs, ctx_list, rows_list):
+    gen = torch.Generator().manual_seed(heads * 100 + head_dim + len(ctx_list))
+    num_blocks, batch = 64, len(ctx_list)
     pool = torch.randn(num_blocks, 3, 2, bs, kv_heads, head_dim, generator=gen)
     layer = pool[:, 1]  # a middle layer's strided view, as the model passes it
-    ctx = torch.tensor([1, bs, bs + 1, 3 * bs - 2, 5 * bs], dtype=torch.int32)
+    ctx = torch.tensor(ctx_list, dtype=torch.int32)
     perm = torch.randperm(num_blocks, generator=gen)
-    tables = torch.zeros(batch + 2, 8, dtype=torch.int32)
-    rows = torch.tensor([3, 0, 6, 1, 4], dtype=torch.int32)  # rows out of order
+    tables = torch.zeros(max(rows_list) + 2, 8, dtype=torch.int32)
+    rows = torch.tensor(rows_list, dtype=torch.int32)
     for i, r in enumerate(rows.tolist()):
         tables[r] = perm[i * 8 : (i + 1) * 8].to(torch.int32)
     # q/k/v as the model hands them: views of one [B, H + 2 KV, D] projection
@@ -50,6 +46,29 @@ def test_kernel_matches_torch_path(heads, kv_heads, head_dim, bs):
     assert torch.allclose(out, ref, atol=2e-6, rtol=1e-5), (out - ref).abs().max()
     assert torch.equal(mine_pool[:, 1], ref_pool)  # the new K/V landed in the same slots
     assert torch.equal(mine_pool[:, 0], pool[:, 0]) and torch.equal(mine_pool[:, 2], pool[:, 2])
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,bs",
+    [(9, 3, 64, 16), (8, 8, 32, 4), (8, 2, 36, 8), (4, 1, 128, 16)],  # GQA, MHA, odd dim, MQA
+)
+def test_kernel_matches_torch_path(heads, kv_heads, head_dim, bs):
+    """Five sequences (at least as many as threads here: a unit per sequence, slot-major)."""
+    _check_kernel(heads, kv_heads, head_dim, bs, [1, bs, bs + 1, 3 * bs - 2, 5 * bs], [3, 0, 6, 1, 4])
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,bs",
+    # GQA; 4 query heads per KV head, 40 dims (not a multiple of 32); 12 query heads per
+    # KV head (more than one pass of TG_PV_HEADS); odd dim (scalar loops); MHA
+    [(9, 3, 64, 16), (8, 2, 40, 16), (12, 1, 64, 8), (8, 2, 36, 8), (8, 8, 32, 4)],
+)
+@pytest.mark.parametrize("ctx", [1, 3, 7 * 4 + 3])
+def test_one_sequence_split_by_kv_head_matches_torch_path(heads, kv_heads, head_dim, bs, ctx):
+    """One sequence (fewer than the threads: a unit per KV head, the batch-1 decode's
+    path, and that of every row of a step with prefill chunks); contexts that end
+    inside a four-slot group and inside a block."""
+    _check_kernel(heads, kv_heads, head_dim, bs, [ctx], [2])
 
 
 def test_supports_only_float32_cpu_pools():
