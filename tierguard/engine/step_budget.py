@@ -49,6 +49,7 @@ Policy only: the scheduler asks, the engine reports each step.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # Before any prefill was measured (a decode is running but nothing was prefilled alone
@@ -186,7 +187,7 @@ class StepBudget:
             if self.slo_ms > 0:
                 if ms > self.slo_ms:
                     self.slo_cap = max(float(SLO_MIN_TOKENS), SLO_BACKOFF * prefill_tokens)
-                elif prefill_tokens >= int(min(self.slo_cap, 1e9)):
+                elif math.isfinite(self.slo_cap) and prefill_tokens >= int(self.slo_cap):
                     self.slo_cap += SLO_PROBE_TOKENS
         else:
             self.alone_cost.add(prefill_tokens, ms)

@@ -136,9 +136,10 @@ static void pv_heads(const float *p, int64_t ps, const float *v, int64_t row, in
 /* attend() for a unit of several KV heads (a whole sequence, when there are at least as
  * many sequences as threads). Slot-major: each slot's K (then V) row of these heads is
  * read once, contiguously, for all of their query heads: with long contexts the unit is
- * bound by memory, and one contiguous stream beat the per-KV-head passes below (strided
- * reads of a third of each row) by 15-25 % (B=8 x 320 and B=2 x 1024 tokens, SmolLM2). Head dims that are multiples of 8 (all the models we run)
- * take the vector path; others the scalar loops. */
+ * bound by memory, and one contiguous stream beat per-KV-head passes like attend()'s
+ * (strided reads of a third of each row) by 14-27 % (B=8 x 320 and B=2 x 1024 tokens,
+ * SmolLM2). Head dims that are multiples of 8 (all the models we run) take the vector
+ * path; others the scalar loops. */
 static void attend_slots(const tg_decode_args *a, int b, int h0, int h1) {
     const int KV = a->kv_heads, D = a->head_dim, bs = a->block_size;
     const int G = a->heads / KV, NQ = (h1 - h0) * G; /* query heads handled here */
@@ -233,69 +234,62 @@ static void attend(const tg_decode_args *a, int b, int h0, int h1) {
         return;
     }
     const int KV = a->kv_heads, D = a->head_dim, bs = a->block_size;
-    const int G = a->heads / KV, NQ = (h1 - h0) * G; /* query heads handled here */
+    const int G = a->heads / KV; /* the query heads of KV head h0 */
     const int L = a->ctx[b];
-    const int64_t row = (int64_t)KV * D, ws = a->work_stride;
+    const int64_t row = (int64_t)KV * D, ws = a->work_stride, head_off = (int64_t)h0 * D;
     const int32_t *table = a->tables + (int64_t)a->rows[b] * a->table_stride;
     const float *qsrc = a->q + (int64_t)b * a->q_stride + (int64_t)h0 * G * D;
     float *scores = a->work + ((int64_t)b * a->heads + (int64_t)h0 * G) * ws;
-    float q[NQ * D], inv[NQ];
-    for (int i = 0; i < NQ * D; i++) q[i] = qsrc[i] * a->scale;
+    float *o = a->out + ((int64_t)b * a->heads + (int64_t)h0 * G) * D;
+    float q[G * D], inv[G];
+    for (int i = 0; i < G * D; i++) q[i] = qsrc[i] * a->scale;
     const int vec = D % 8 == 0;
-    for (int kh = 0; kh < h1 - h0; kh++) {
-        const int64_t head_off = (int64_t)(h0 + kh) * D;
-        const float *qh = q + (int64_t)kh * G * D;
-        float *sh = scores + (int64_t)kh * G * ws;
-        for (int j0 = 0; j0 < L; j0 += bs) {
-            const float *k = a->pool + (int64_t)table[j0 / bs] * a->blk_stride + head_off;
-            const int n = L - j0 < bs ? L - j0 : bs;
-            int s = 0;
-            if (vec)
-                for (; s + 4 <= n; s += 4, k += 4 * row)
-                    for (int g = 0; g < G; g++)
-                        dot4(qh + g * D, k, k + row, k + 2 * row, k + 3 * row, D, sh + g * ws + j0 + s);
-            for (; s < n; s++, k += row)
-                for (int g = 0; g < G; g++) sh[g * ws + j0 + s] = dot1(qh + g * D, k, D);
-        }
-        for (int g = 0; g < G; g++) {
-            float *si = sh + g * ws;
-            float m = -FLT_MAX, sum = 0.f; /* finite: built with -ffast-math */
-            for (int j = 0; j < L; j++) m = si[j] > m ? si[j] : m;
-#pragma omp simd reduction(+ : sum)
-            for (int j = 0; j < L; j++) {
-                si[j] = expf(si[j] - m);
-                sum += si[j];
-            }
-            inv[kh * G + g] = 1.f / sum;
-        }
-        float *o = a->out + ((int64_t)b * a->heads + (int64_t)(h0 + kh) * G) * D;
-        if (vec) {
-            for (int g0 = 0; g0 < G; g0 += TG_PV_HEADS) {
-                const int nh = G - g0 < TG_PV_HEADS ? G - g0 : TG_PV_HEADS;
-                for (int d0 = 0; d0 < D; d0 += 8) {
-                    v8 acc[TG_PV_HEADS] = {{0}};
-                    for (int j0 = 0; j0 < L; j0 += bs) {
-                        const float *v =
-                            a->pool + (int64_t)table[j0 / bs] * a->blk_stride + a->v_offset + head_off + d0;
-                        pv_heads(sh + g0 * ws + j0, ws, v, row, L - j0 < bs ? L - j0 : bs, nh, acc);
-                    }
-                    for (int h = 0; h < nh; h++)
-                        *(v8 *)(o + (int64_t)(g0 + h) * D + d0) = acc[h] * inv[kh * G + g0 + h];
-                }
-            }
-        } else { /* scalar: rare head sizes only */
-            for (int i = 0; i < G * D; i++) o[i] = 0.f;
-            for (int j0 = 0; j0 < L; j0 += bs) {
-                const float *v = a->pool + (int64_t)table[j0 / bs] * a->blk_stride + a->v_offset + head_off;
-                const int n = L - j0 < bs ? L - j0 : bs;
-                for (int s = 0; s < n; s++, v += row)
-                    for (int g = 0; g < G; g++)
-                        for (int d = 0; d < D; d++) o[g * D + d] += sh[g * ws + j0 + s] * v[d];
-            }
-            for (int g = 0; g < G; g++)
-                for (int d = 0; d < D; d++) o[g * D + d] *= inv[kh * G + g];
-        }
+    for (int j0 = 0; j0 < L; j0 += bs) {
+        const float *k = a->pool + (int64_t)table[j0 / bs] * a->blk_stride + head_off;
+        const int n = L - j0 < bs ? L - j0 : bs;
+        int s = 0;
+        if (vec)
+            for (; s + 4 <= n; s += 4, k += 4 * row)
+                for (int g = 0; g < G; g++)
+                    dot4(q + g * D, k, k + row, k + 2 * row, k + 3 * row, D, scores + g * ws + j0 + s);
+        for (; s < n; s++, k += row)
+            for (int g = 0; g < G; g++) scores[g * ws + j0 + s] = dot1(q + g * D, k, D);
     }
+    for (int g = 0; g < G; g++) {
+        float *si = scores + g * ws;
+        float m = -FLT_MAX, sum = 0.f; /* finite: built with -ffast-math */
+        for (int j = 0; j < L; j++) m = si[j] > m ? si[j] : m;
+#pragma omp simd reduction(+ : sum)
+        for (int j = 0; j < L; j++) {
+            si[j] = expf(si[j] - m);
+            sum += si[j];
+        }
+        inv[g] = 1.f / sum;
+    }
+    if (vec) {
+        for (int g0 = 0; g0 < G; g0 += TG_PV_HEADS) {
+            const int nh = G - g0 < TG_PV_HEADS ? G - g0 : TG_PV_HEADS;
+            for (int d0 = 0; d0 < D; d0 += 8) {
+                v8 acc[TG_PV_HEADS] = {{0}};
+                for (int j0 = 0; j0 < L; j0 += bs) {
+                    const float *v = a->pool + (int64_t)table[j0 / bs] * a->blk_stride + a->v_offset + head_off + d0;
+                    pv_heads(scores + g0 * ws + j0, ws, v, row, L - j0 < bs ? L - j0 : bs, nh, acc);
+                }
+                for (int h = 0; h < nh; h++) *(v8 *)(o + (int64_t)(g0 + h) * D + d0) = acc[h] * inv[g0 + h];
+            }
+        }
+        return;
+    }
+    for (int i = 0; i < G * D; i++) o[i] = 0.f; /* scalar: rare head sizes only */
+    for (int j0 = 0; j0 < L; j0 += bs) {
+        const float *v = a->pool + (int64_t)table[j0 / bs] * a->blk_stride + a->v_offset + head_off;
+        const int n = L - j0 < bs ? L - j0 : bs;
+        for (int s = 0; s < n; s++, v += row)
+            for (int g = 0; g < G; g++)
+                for (int d = 0; d < D; d++) o[g * D + d] += scores[g * ws + j0 + s] * v[d];
+    }
+    for (int g = 0; g < G; g++)
+        for (int d = 0; d < D; d++) o[g * D + d] *= inv[g];
 }
 
 /* Returns 0, or -1 when the queries (heads x head_dim floats) would not fit the stack
