@@ -134,6 +134,54 @@ def test_from_model_dir_rejects_bad_settings(tiny_dir, tmp_path):
         AsyncLLMEngine.from_model_dir(tiny_dir, kv_cache_gib=1e-6)
 
 
+# Run in a fresh interpreter: a pytest process has run OpenMP work on its main thread long ago.
+_POOL_PROBE = """
+import os, time, torch
+from tierguard.engine.async_engine import on_own_thread
+torch.set_num_threads(2)
+def count(): return len(os.listdir('/proc/self/task'))
+def omp_work(): return float(torch.ones(1 << 24).sum())  # large enough to run on 2 threads
+before = count()
+assert on_own_thread(omp_work) == float(1 << 24)
+deadline = time.monotonic() + 10
+while count() > before and time.monotonic() < deadline:
+    time.sleep(0.01)
+after_own = count()
+omp_work()  # the same work on this (never exiting) thread keeps a pool worker
+print(before, after_own, count())
+"""
+
+
+def test_load_thread_takes_its_openmp_pool_with_it():
+    """Why from_model_dir loads on its own thread: a pool left on the main thread would put
+    the engine thread's team over the CPU count, and libgomp then sleeps at every barrier."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _POOL_PROBE], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    before, after_own, after_main = map(int, out.stdout.split())
+    assert after_own == before  # the load thread's pool left with it
+    assert after_main == before + 1  # the probe sees a pool: the check above could fail
+
+
+def test_from_model_dir_loads_off_the_callers_thread(tiny_dir, monkeypatch):
+    import threading
+
+    import tierguard.engine.factory as factory
+
+    seen, real = [], factory.build_engine
+
+    def spy(*args, **kwargs):
+        seen.append(threading.current_thread())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(factory, "build_engine", spy)
+    engine = AsyncLLMEngine.from_model_dir(tiny_dir, kv_cache_gib=0.01, max_model_len=256)
+    assert engine.max_model_len == 256
+    assert seen and seen[0] is not threading.current_thread() and not seen[0].is_alive()
+
+
 def test_engine_outlives_an_event_loop(tiny_dir):
     engine = AsyncLLMEngine(make_engine(tiny_dir))
 

@@ -54,7 +54,7 @@ class AsyncLLMEngine:
         """
         from tierguard.engine.factory import build_engine
 
-        return cls(build_engine(model_dir, **options))
+        return cls(on_own_thread(lambda: build_engine(model_dir, **options)))
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -203,6 +203,35 @@ class AsyncLLMEngine:
             except Exception:  # the pool may be inconsistent after the failure
                 pass
             self._deliver_error(rid, err)
+
+
+def on_own_thread(fn: Callable[[], Any]) -> Any:
+    """fn() on a thread that exits when it returns; its result, or its exception re-raised.
+
+    Why: libgomp (torch's, which our kernels share) gives every thread that starts a
+    parallel region its own pool of workers, and the pool lives as long as that thread.
+    Once the pools hold more threads than there are CPUs, every OpenMP barrier spins only
+    about a thousand times before it sleeps on a futex. Loading a model runs OpenMP work
+    (quantization, torch ops). Done on the main thread, which never exits, its pool stays
+    and puts the engine thread's team over that count. Measured with `tierguard serve`
+    (SmolLM2 int8, 2 CPUs, C=32): the two OpenMP threads sat idle for about a quarter of
+    the time and a step with a prefill chunk cost ~35 % more per row than in-process. A
+    thread that exits frees its pool, so the engine thread's team is the only one.
+    """
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            box["error"] = exc
+
+    t = threading.Thread(target=target, name="tierguard-load", daemon=True)  # Ctrl-C during a load exits
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def _put_all(items: list) -> None:
