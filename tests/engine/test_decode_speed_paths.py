@@ -278,6 +278,40 @@ def test_itl_slo_holds_new_requests_in_the_queue(tiny_dir):
     engine.check_integrity()
 
 
+@pytest.mark.parametrize("slo_ms", [1000.0, 0.0])
+def test_a_held_token_makes_the_next_slo_step_decodes_only(tiny_dir, slo_ms):
+    """A stream whose newest token showed no text has waited a step already: under an SLO
+    the next step carries no prefill (never two such steps in a row); without one, nothing
+    changes. A stop string longer than any token's text holds the first tokens back."""
+    engine = make_engine(tiny_dir, max_num_batched_tokens=128, itl_slo_ms=slo_ms)
+    stop = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=["~" * 40])
+    engine.add_request("held", prompt_ids(1, 8), stop)
+    engine.step()  # its prefill and first token, whose text the stop string holds back
+    held = engine.seqs["held"]
+    assert held.text_held
+    for i in range(3):
+        engine.add_request(f"p{i}", prompt_ids(2 + i, 100), SamplingParams(max_tokens=4, ignore_eos=True))
+    budget = engine.scheduler.step_budget
+    seen = []
+    engine.add_step_listener(lambda s: seen.append((s.num_decode_seqs, s.num_prefill_tokens)))
+    for _ in range(4):
+        budget.ms_per_prefill_token, budget.prefill_fixed_ms = 0.01, 0.0  # room for any chunk
+        held.text_held = True  # as if each token were half a character
+        engine.step()
+    if slo_ms:
+        assert [p for _, p in seen] == [0, seen[1][1], 0, seen[3][1]] and seen[1][1] > 0 and seen[3][1] > 0
+    else:
+        assert all(p > 0 for _, p in seen[:3]), seen  # 300 prompt tokens in 127-token chunks
+    if slo_ms:  # after a visible token no catch-up step: the last 46 prompt tokens run
+        held.text_held = False
+        budget.ms_per_prefill_token, budget.prefill_fixed_ms = 0.01, 0.0
+        engine.step()
+        assert seen[-1][1] == 300 - seen[1][1] - seen[3][1] > 0
+    while engine.has_unfinished():
+        engine.step()
+    engine.check_integrity()
+
+
 @pytest.mark.parametrize("flag", ["--itl-slo-ms", "--prefill-share"])
 def test_a_negative_step_budget_flag_is_one_line_and_exit_2(capsys, flag):
     from tierguard.cli.main import main

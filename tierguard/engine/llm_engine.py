@@ -244,7 +244,9 @@ class LLMEngine:
             seq.status = SequenceStatus.FINISHED_LENGTH
         if seq.status.finished:
             return self._finish(seq, [token])
-        return self._output(seq, [token], detok.take(False))
+        text = detok.take(False)
+        seq.text_held = not text
+        return self._output(seq, [token], text)
 
     def _finish(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
         self.scheduler.remove(seq)

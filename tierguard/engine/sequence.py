@@ -63,6 +63,9 @@ class Sequence:
         self.num_preemptions = 0
         self.queued_at = arrival  # when it last entered the waiting queue (admission aging)
         self.generator = None  # torch.Generator when params.seed is set
+        # Its newest token's text is held back (half a character, or a possible stop
+        # string): the client has seen nothing for a whole step already (scheduler).
+        self.text_held = False
 
     def __len__(self) -> int:
         return len(self.token_ids)
