@@ -34,7 +34,8 @@ carries decodes is kept under it (prefills get what the decodes and the fixed co
 leave, at least `SLO_MIN_TOKENS` so the queue moves), and a new sequence starts only
 while a step with one more decode would still leave room for that smallest chunk
 (before any prefill was measured: while the decodes alone take at most
-`SLO_DECODE_SHARE` of it). The fit is noisy where chunks hardly vary (a slope from
+`SLO_DECODE_SHARE` of it; after `SLO_REPROBE_STEPS` steps without a mixed step, the fit's
+slope alone, so a stale intercept cannot close admission for good). The fit is noisy where chunks hardly vary (a slope from
 points of 10-24 tokens let a 65-token chunk through: a 247 ms step under a 90 ms SLO),
 so under an SLO the chunk also has a cap that backs off and probes (AIMD): a step over
 the SLO sets it to `SLO_BACKOFF` x that step's chunk, and each step that used the whole
@@ -63,6 +64,9 @@ SLO_MIN_TOKENS = 4
 # The SLO chunk cap (AIMD): its cut after a step over the SLO, and its rise after a full one under.
 SLO_BACKOFF = 0.75
 SLO_PROBE_TOKENS = 2
+# With an ITL SLO, after this many steps without a step of prefill beside decodes, one new
+# sequence may start on the fit's slope alone (its intercept is set aside): see `admits`.
+SLO_REPROBE_STEPS = 96
 
 
 @dataclass
@@ -115,6 +119,7 @@ class StepBudget:
     prefill_cost: PrefillCost = field(default_factory=PrefillCost)  # steps with decodes
     alone_cost: PrefillCost = field(default_factory=PrefillCost)  # prefill-only steps: the seed
     slo_cap: float = float("inf")  # SLO chunk cap (AIMD); unset until a step overshoots
+    steps_since_mixed: int = 0  # steps observed since the last one with prefill beside decodes
 
     def __post_init__(self) -> None:
         if self.slo_ms > 0:  # the SLO is also the step target
@@ -145,8 +150,18 @@ class StepBudget:
             decode = min(decode, self.decode_ms[b] * want / b)
         if self.ms_per_prefill_token is None:
             return decode <= SLO_DECODE_SHARE * self.slo_ms
-        chunk = self.prefill_fixed_ms + SLO_MIN_TOKENS * self.ms_per_prefill_token
-        return decode + chunk <= self.slo_ms
+        chunk = SLO_MIN_TOKENS * self.ms_per_prefill_token
+        if decode + self.prefill_fixed_ms + chunk <= self.slo_ms:
+            return True
+        # Only steps with prefill beside decodes update the fit, and a refusal here stops
+        # them: one noisy intercept (the least certain part of a fit over 4-8 token chunks)
+        # ran the server one sequence at a time until restart, 61 instead of 73-80 tok/s
+        # at C=32 in the same bench. So after SLO_REPROBE_STEPS steps without one, a
+        # sequence may start on the slope alone, and its chunks measure the line again.
+        if self.steps_since_mixed >= SLO_REPROBE_STEPS and decode + chunk <= self.slo_ms:
+            self.steps_since_mixed = 0  # one probe per window
+            return True
+        return False
 
     def decode_step_ms(self, num_decodes: int) -> float:
         """Estimated time of a decode-only step: the measured batch size, else the nearest
@@ -177,6 +192,7 @@ class StepBudget:
     def observe(self, num_decodes: int, prefill_tokens: int, seconds: float) -> None:
         """One finished step: how many decodes and prefill tokens it carried, how long it took."""
         ms = seconds * 1000.0
+        self.steps_since_mixed = 0 if (num_decodes and prefill_tokens) else self.steps_since_mixed + 1
         if prefill_tokens == 0:
             if num_decodes:
                 old = self.decode_ms.get(num_decodes)
