@@ -188,7 +188,8 @@ def start_tierguard(name: str, args) -> tuple[Server, str, dict]:
     cmd = [sys.executable, "-m", "tierguard", "serve", "--model", "smollm2", "--port", "0", "--dtype", "float32",
            "--served-model-name", "bench", "--threads", str(args.threads), "--max-model-len", "1024",
            "--kv-cache-gib", str(args.kv_cache_gib), "--weight-dtype", TIERGUARD[name]]
-    cmd += args.tierguard_args.split()
+    extra = args.server_args.get(name, args.tierguard_args)
+    cmd += extra.split()
     srv = Server(name, cmd, dict(os.environ))
     deadline = time.time() + args.start_timeout
     while time.time() < deadline:
@@ -200,6 +201,7 @@ def start_tierguard(name: str, args) -> tuple[Server, str, dict]:
             url = line[len(READY) :].split()[0]
             info = {
                 "ready_line": line.strip(),
+                "extra_flags": extra,
                 "rss_after_load_mb": rss_mb(srv.proc.pid),
                 "rss_with_workers_mb": rss_mb(srv.proc.pid, children=True),
             }
@@ -380,6 +382,9 @@ def main() -> int:
     ap.add_argument("--kv-cache-gib", type=float, default=0.5)
     ap.add_argument("--servers", default=",".join([*TIERGUARD, *PEERS]))
     ap.add_argument("--tierguard-args", default="", help="extra flags for every tierguard serve")
+    ap.add_argument("--server-args", action="append", default=[], metavar="NAME=FLAGS",
+                    help="flags for one tierguard server instead of --tierguard-args, e.g. "
+                    "tierguard-int8='--itl-slo-ms 28' (repeatable)")
     ap.add_argument("--llamacpp-python", default=None, help="interpreter with llama-cpp-python[server]")
     ap.add_argument("--no-install", action="store_true", help="skip llama.cpp instead of installing it")
     ap.add_argument("--gguf-dir", default=str(Path(tempfile.gettempdir()) / "tierguard_bench_gguf"))
@@ -387,6 +392,13 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.level_list = [int(x) for x in args.levels.split(",")]
+    per_server = {}
+    for item in args.server_args:
+        name, sep, flags = item.partition("=")
+        if not sep or name not in TIERGUARD:
+            ap.error(f"--server-args {item!r}: want NAME=FLAGS with NAME one of {', '.join(TIERGUARD)}")
+        per_server[name] = flags
+    args.server_args = per_server
     args.llamacpp_skip = None
     from tierguard.model.registry import resolve_model
     from tierguard.model.tokenizer import HFTokenizer
