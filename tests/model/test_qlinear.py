@@ -43,12 +43,13 @@ def test_forward_equals_dequantized_matmul(layer_and_weight, rows):
     assert torch.allclose(layer(x.view(1, rows, -1)).view(rows, -1), out, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [9, 13, 31])
+@pytest.mark.parametrize("rows", [9, 12, 13, 31])
 @pytest.mark.parametrize("n, k", [(70, 100), (17, 36)])  # tiles' edges: N % 3, K % 8, M % 4
 def test_int8_batched_tiles_at_odd_shapes_equal_the_dequantized_matmul(rows, n, k):
-    """More than 8 rows go through 4 x 3 register tiles over the widened block; a weight
-    block whose row count 3 does not divide, activation rows 4 does not divide and a K
-    with a tail past its last 8-wide vector take the edge paths."""
+    """9-12 rows run the int8 row loop in chunks of 8 over each weight block; from 13 rows
+    they go through 4 x 3 register tiles over the widened block; a weight block whose row
+    count 3 does not divide, activation rows 4 does not divide and a K with a tail past its
+    last 8-wide vector take the edge paths."""
     gen = torch.Generator().manual_seed(rows * n + k)
     layer = Int8Linear.from_float(torch.randn(n, k, generator=gen) * 0.05)
     x = torch.randn(rows, k, generator=gen)

@@ -659,6 +659,13 @@ static inline void dq_int4_row(const uint8_t *w, const uint16_t *scale, const ui
  * quantized bytes again for each chunk (the few-rows path) made a 32-row int4 step
  * ~1.4x a float32 one (SmolLM2, 2 cores). The buffer lives as long as the thread
  * (OpenMP's pool keeps its threads). */
+/* int8 blocks are widened from this many rows; below it the row loop runs in chunks of
+ * TG_MAX_M (8 + the rest) over the block while it is in cache. Widening at 9 rows made a
+ * step of one row more than 8 cost ~1.3x the 8-row step (SmolLM2 int8, 2 cores, fused
+ * steps of 2 decodes + 7 prompt tokens: 40.6-41.1 ms against 30.0-30.6 at 8 rows; in
+ * chunks 35.6-36.7). From ~13 rows widening is as fast or faster (one conversion for all
+ * rows). int4 widens from 9: its nibble unpacking costs more per chunk. */
+#define TG_WIDEN_INT8_FROM 13
 static __thread float *tg_wbuf;
 static __thread int64_t tg_wbuf_len;
 
@@ -671,12 +678,13 @@ static float *widen_buffer(int64_t floats) {
     return tg_wbuf;
 }
 
-/* Returns 0 (done) or -1 (TG_MAX_M rows or fewer, or no buffer: the caller takes the
- * few-rows path, which widens in registers). */
+/* Returns 0 (done) or -1 (too few rows: TG_MAX_M for int4, fewer than
+ * TG_WIDEN_INT8_FROM for int8; or no buffer: the caller takes the few-rows path, which
+ * widens in registers). */
 static int gemv_widened(const float *x, int64_t M_all, int64_t K, const int8_t *w8, const uint8_t *w4,
                         const uint16_t *scale, const uint16_t *lo, int64_t G, int64_t n0, int64_t n1, float *y,
                         int64_t ldy) {
-    if (M_all <= TG_MAX_M) return -1;
+    if (M_all <= (w8 ? TG_WIDEN_INT8_FROM - 1 : TG_MAX_M)) return -1;
     float *buf = widen_buffer((n1 - n0) * K);
     if (!buf) return -1;
     for (int64_t n = n0; n < n1; n++) {

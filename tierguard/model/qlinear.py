@@ -16,8 +16,8 @@ the memory bandwidth. int8 cuts the float32 bytes ~4x, int4 ~6x (scales included
 The matmul never dequantizes the whole weight for a decode step. On the CPU, up to
 `gemv_rows` (64) activation rows go to the C kernels (cpu_kernels.c: each weight
 byte read once, widened in registers, float32 activations and sums), which are bound by
-memory bandwidth (past 8 rows, each block of 16 weight rows is widened to float32 once,
-in L2, for all the row chunks); more rows (prefill, large batches) dequantize `BLOCK_ROWS` output rows
+memory bandwidth (from 13 int8 rows or 9 int4 rows, each block of 16 weight rows is
+widened to float32 once, in L2, for all the row chunks); more rows (prefill, large batches) dequantize `BLOCK_ROWS` output rows
 at a time into a small float32 buffer that torch's GEMM multiplies while it is in cache.
 Without the kernels (no compiler; CUDA) the same blocks are dequantized in plain torch.
 (torch's `aten._weight_int8pack_mm` takes one scale per output channel only: per-channel
