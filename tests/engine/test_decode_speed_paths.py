@@ -14,6 +14,7 @@ from tierguard.engine.factory import build_engine
 from tierguard.engine.step_budget import (
     SLO_MIN_TOKENS,
     SLO_REPROBE_STEPS,
+    SLO_WAVE_SHARE,
     UNMEASURED_CHUNK,
     PrefillCost,
     StepBudget,
@@ -150,7 +151,7 @@ def test_itl_slo_caps_the_batch_and_the_step():
     assert budget.admits(0) and budget.admits(3)  # nothing measured: one more is tried
     budget.observe(0, 256, 0.512)  # 2 ms per prefill token
     budget.observe(4, 0, 0.050)  # 4 decodes: 50 ms, + the smallest chunk (4 tokens, 8 ms) <= 100
-    assert budget.admits(4)  # 5 is unmeasured: the nearest smaller (4) says yes
+    assert budget.admits(4)  # 5 is unmeasured: 4's 50 ms scaled to 62.5, + 8 <= 100
     budget.observe(5, 0, 0.095)  # 5 decodes: 95 + 8 > 100
     assert not budget.admits(5) and not budget.admits(9)
     assert budget.admits(3)  # 4 is still fine
@@ -201,21 +202,23 @@ def test_one_slow_step_does_not_close_admission_for_good():
 def test_a_stale_intercept_is_reprobed_after_a_window_without_mixed_steps():
     budget = StepBudget(0.0, min_tokens=16, slo_ms=33.0)
     budget.observe(1, 0, 0.012)  # one decode: 12 ms
-    budget.ms_per_prefill_token, budget.prefill_fixed_ms = 3.0, 12.0  # 12 + 12 + 12 > 33
+    # 2 decodes are not measured: 2 x 12 = 24 ms, + 12 fixed + a 4-token chunk (8) > 33
+    budget.ms_per_prefill_token, budget.prefill_fixed_ms = 2.0, 12.0
     budget.steps_since_mixed = 0
     assert not budget.admits(1)
     for _ in range(SLO_REPROBE_STEPS - 1):  # one sequence at a time: its decodes alone
         budget.observe(1, 0, 0.012)
     assert not budget.admits(1)  # one step short of the window
     budget.observe(1, 0, 0.012)
-    assert (budget.prefill_fixed_ms, budget.ms_per_prefill_token) == (12.0, 3.0)  # the fit is as stale as before
-    assert budget.admits(1)  # the slope alone fits: 12 + 4 x 3 <= 33
+    assert (budget.prefill_fixed_ms, budget.ms_per_prefill_token) == (12.0, 2.0)  # the fit is as stale as before
+    assert budget.admits(1)  # the slope alone fits: 24 + 4 x 2 <= 33
     assert not budget.admits(1)  # one probe per window
     budget.observe(2, 6, 0.030)  # its chunk beside the decodes: the window starts again
     assert budget.steps_since_mixed == 0
-    budget.prefill_fixed_ms, budget.ms_per_prefill_token = 12.0, 6.0  # the slope alone is too steep
+    budget.prefill_fixed_ms, budget.ms_per_prefill_token = 12.0, 3.0  # the slope alone is too steep
     budget.steps_since_mixed = SLO_REPROBE_STEPS
-    assert not budget.admits(1)  # 12 + 4 x 6 > 33: no probe
+    assert not budget.admits(1)  # 24 + 4 x 3 > 33: no probe
+
 
 
 def test_a_chunk_that_cost_nothing_measurable_never_divides_by_zero():
@@ -302,6 +305,70 @@ def test_itl_slo_holds_new_requests_in_the_queue(tiny_dir):
     while engine.has_unfinished():
         engine.step()
     engine.check_integrity()
+
+
+def test_a_wave_grows_only_as_far_as_its_measured_decode_steps_fit():
+    budget = StepBudget(0.0, min_tokens=16, slo_ms=20.0)
+    assert not budget.wave_admits(1)  # nothing measured: a wave is one sequence
+    budget.observe(1, 0, 0.006)
+    assert budget.decode_ms == {1: 6.0}
+    assert budget.wave_admits(1)  # 2 x 6 ms (linear) <= 0.75 x 20
+    assert not budget.wave_admits(2)  # 3 x 6 = 18 ms > 15
+    budget.observe(2, 0, 0.0065)  # measured: a step of 2 costs far less than twice 1
+    assert budget.wave_admits(2) and budget.wave_admits(3)  # 4 x 6.5 / 2 = 13 ms
+    assert not budget.wave_admits(4)  # 5 x 6.5 / 2 = 16.25 ms > 15
+    assert budget.decode_step_ms(4) <= SLO_WAVE_SHARE * 20.0 < budget.decode_step_ms(5)
+    off = StepBudget(0.0, slo_ms=0.0)
+    off.observe(1, 0, 0.001)
+    assert not off.wave_admits(1)  # no SLO, no waves
+
+
+def _run(engine, prompts, max_tokens, before_step=lambda: None):
+    outputs: dict[str, list[int]] = {}
+    firsts: list[set[str]] = []  # per step: the requests whose first token it produced
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished():
+        before_step()
+        new = set()
+        for out in engine.step():
+            if out.new_token_ids and out.request_id not in outputs:
+                new.add(out.request_id)
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        firsts.append(new)
+        engine.check_integrity()
+    return outputs, firsts
+
+
+def test_under_a_tight_slo_a_wave_prefills_together_and_starts_decoding_in_one_step(tiny_dir):
+    """When no prefill chunk fits beside a decode within the SLO, sequences start as a
+    wave: as many as the measured decode steps allow prefill in steps without decodes,
+    hold their last prompt token, and all produce their first token in one step; the
+    tokens are the ones the engine produces without an SLO."""
+    prompts = [prompt_ids(70 + i, n) for i, n in enumerate([9, 30, 50, 17, 41, 23, 12])]
+    plain = make_engine(tiny_dir, max_num_batched_tokens=32)
+    want, _ = _run(plain, prompts, 5)
+    engine = make_engine(tiny_dir, max_num_batched_tokens=32, itl_slo_ms=100.0)
+    budget = engine.scheduler.step_budget
+    seen, running = [], []
+    engine.add_step_listener(lambda s: seen.append((s.num_decode_seqs, s.num_prefill_tokens)))
+
+    def pin():  # a machine where 3 decodes fit 0.75 x 100 ms and no 4-token chunk fits beside one
+        budget.decode_ms = {1: 20.0, 2: 25.0, 3: 30.0, 4: 80.0}
+        budget.ms_per_prefill_token, budget.prefill_fixed_ms = 50.0, 0.0
+        budget.steps_since_mixed = 0
+        running.append(len(engine.scheduler.running))
+
+    got, firsts = _run(engine, prompts, 5, pin)
+    assert got == want
+    assert max(running) == 3 and not any(d and p for d, p in seen), seen  # no mixed step
+    waves = [f for f in firsts if f]
+    assert [len(w) for w in waves] == [3, 3, 1], waves  # 7 requests: 3 + 3 + 1
+    assert waves[0] == {"r0", "r1", "r2"} and waves[1] == {"r3", "r4", "r5"}
+    # the wave's first tokens came after all 89 prompt tokens (32-token steps): r0's 9
+    # tokens were done in step 1, yet it waited for the others
+    assert firsts.index(waves[0]) == 3
+    assert not engine.scheduler._held
 
 
 @pytest.mark.parametrize("slo_ms", [1000.0, 0.0])

@@ -223,8 +223,10 @@ class LLMEngine:
             num_decode_seqs=len(sched.scheduled) - len(prefills),
             num_preempted=len(sched.preempted),
         )
-        if sched.scheduled:  # the step budget learns decode and prefill costs from real steps
-            self.scheduler.step_budget.observe(stats.num_decode_seqs, stats.num_prefill_tokens, stats.duration_s)
+        if sched.scheduled:  # the step budget learns decode and prefill costs from real steps,
+            # by row shape: a one-token row (a decode, a wave's last prompt token) costs a decode.
+            chunks = [s.num_tokens for s in sched.scheduled if s.num_tokens > 1]
+            self.scheduler.step_budget.observe(len(sched.scheduled) - len(chunks), sum(chunks), stats.duration_s)
         # An idle poll while only tier transfers are in flight is not a step worth a sample.
         idle_poll = self.config.tiers_enabled and not sched.scheduled and not sched.preempted
         for fn in [] if idle_poll else self._listeners:

@@ -9,6 +9,15 @@ Prefill tokens (2 and 3) in a step that carries decodes are further capped by th
 budget (step_budget.py, `--target-itl-ms`), so one prefill cannot stretch every
 stream's inter-token gap; with `--itl-slo-ms` the budget also says when the batch is
 full (3 waits).
+Under `--itl-slo-ms`, when no running sequence decodes, the batch fills as a wave: while
+a decode step at the wave's size stays within the SLO's share (`StepBudget.wave_admits`),
+more waiting sequences join, their prefills run in steps with no decode beside them (so
+no SLO caps them), and each keeps its last prompt token back until every member is
+ready; one release step then computes those tokens and all start decoding together.
+Why: on a CPU where a prefill chunk does not fit beside the decodes within the SLO,
+admission ran one sequence at a time (its prefill alone, then its decode alone); a wave
+pays the same prefills once per member but decodes them in one batch (SmolLM2 int8
+under a 15 ms SLO on 2 cores, C=32: see README).
 When a running sequence cannot get a block, the newest other running sequence is
 preempted by recompute (its blocks are freed, it goes back to the front of the queue;
 its full blocks stay in the prefix cache, so the recompute is often cheap).
@@ -78,6 +87,10 @@ class Scheduler:
         )
         self._prefill_cap = config.max_num_batched_tokens  # prefill tokens left in this step
         self._caught_up = False  # the last step ran decodes alone for a held token (_catch_up)
+        # Wave (see the module docstring): members whose last prompt token waits for release.
+        self._held: set[str] = set()
+        self._wave = False  # this step: an SLO is set and no running sequence decodes
+        self._releasing = False  # this step: every running sequence is a held wave member
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -96,6 +109,7 @@ class Scheduler:
 
     def remove(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence and free its blocks."""
+        self._held.discard(seq.seq_id)
         if self.waiting.pop(seq.seq_id, None) is None and seq in self.running:
             self.running.remove(seq)
             self.connector.offload(seq, preempted=False)
@@ -113,9 +127,13 @@ class Scheduler:
             self._preempt(victim)
             out.preempted.append(victim)
         limit = self.config.max_num_batched_tokens
-        num_decodes = sum(1 for s in self.running if s.num_pending_tokens == 1)
-        self._prefill_cap = self.step_budget.prefill_tokens(num_decodes, limit)
-        if self._catch_up():
+        decoding = [s for s in self.running if s.num_pending_tokens == 1 and s.seq_id not in self._held]
+        self._wave = self.step_budget.slo_ms > 0 and not decoding
+        self._releasing = self._wave and bool(self.running) and len(self._held) == len(self.running)
+        if self._releasing:
+            decoding, self._held = list(self.running), set()
+        self._prefill_cap = self.step_budget.prefill_tokens(len(decoding), limit)
+        if self._catch_up(decoding):
             self._prefill_cap = 0
         budget = self._schedule_running(out, limit)
         self._admit(out, min(budget, self._prefill_cap))
@@ -123,16 +141,14 @@ class Scheduler:
         out.scheduled.sort(key=lambda s: s.num_tokens > 1)
         return out
 
-    def _catch_up(self) -> bool:
+    def _catch_up(self, decoding: list[Sequence]) -> bool:
         """Under an ITL SLO, whether this step runs the decodes alone because a stream's
         newest token was held back (half a character, a possible stop string): its client
         has waited a whole step already, and a full step more would make its visible gap
         two steps. Without this, the ~1.2 % of SmolLM2's tokens that end inside a
         character put the p99 gap at twice the step. Never two such steps in a row, so
         prefills keep moving while a stream emits characters of several tokens each."""
-        held = self.step_budget.slo_ms > 0 and not self._caught_up and any(
-            s.text_held for s in self.running if s.num_pending_tokens == 1
-        )
+        held = self.step_budget.slo_ms > 0 and not self._caught_up and any(s.text_held for s in decoding)
         self._caught_up = held
         return held
 
@@ -142,8 +158,8 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.num_pending_tokens > 1):
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if seq.status is not SequenceStatus.RUNNING or seq.seq_id in self._held:
+                continue  # preempted earlier in this loop, or waiting for its wave's release
             n = self._chunk(seq, budget)
             if n == 0:
                 continue  # a prefill past this step's cap
@@ -166,8 +182,25 @@ class Scheduler:
         n = min(seq.num_pending_tokens, budget)
         if n > 1:
             n = min(n, self._prefill_cap)
+            if self._holds_last(n, seq.num_pending_tokens, len(self.running) > 1, len(self.running), len(self.waiting)):
+                n -= 1
+                self._held.add(seq.seq_id)
             self._prefill_cap -= n
         return n
+
+    def _holds_last(self, n: int, pending: int, others: bool, members: int, queued: int) -> bool:
+        """Whether a chunk of `n` of a sequence's `pending` tokens keeps its last one back:
+        in a wave (not its release step), when the chunk would end the prompt while another
+        member (`others`) or one of `queued` waiting sequences that may still join a wave
+        of `members` would otherwise prefill beside this one's decodes."""
+        if not self._wave or self._releasing or n < 2 or n != pending:
+            return False
+        return others or self._joinable(members, queued)
+
+    def _joinable(self, members: int, queued: int) -> bool:
+        """Whether one of `queued` waiting sequences may join a wave of `members`."""
+        return (queued > 0 and members < self.config.max_num_seqs
+                and self.step_budget.wave_admits(members))
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         # Admitting while preempting would only thrash.
@@ -176,7 +209,9 @@ class Scheduler:
             and self.waiting
             and not out.preempted
             and len(self.running) < self.config.max_num_seqs
-            and self.step_budget.admits(len(self.running))
+            and not self._releasing  # the new batch size's decode step is not measured yet
+            and (self.step_budget.admits(len(self.running)) or (
+                self._wave and self._joinable(len(self.running), len(self.waiting))))
         ):
             seq = self.admission.head(self.waiting)
             match = self.bm.lookup(seq)
@@ -189,10 +224,16 @@ class Scheduler:
                 break  # waits for room
             if self._stage(seq, match):
                 continue  # out of the queue until its blocks arrive
-            n = min(len(seq) - len(match.block_ids) * self.bm.block_size, budget)
+            pending = len(seq) - len(match.block_ids) * self.bm.block_size
+            n = min(pending, budget)
+            members = len(self.running) + 1
+            hold = self._holds_last(n, pending, members > 1, members, len(self.waiting) - 1)
+            n -= hold
             if not self.bm.can_admit(seq, match, n, reserve=reserve):
                 break
             del self.waiting[seq.seq_id]
+            if hold:
+                self._held.add(seq.seq_id)
             self._prefill_cap -= n if n > 1 else 0
             self.bm.admit(seq, match)
             if seq.num_preemptions == 0 and not seq.num_output_tokens:
@@ -220,6 +261,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._held.discard(seq.seq_id)
         self._release(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1

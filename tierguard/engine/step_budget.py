@@ -43,8 +43,8 @@ cap and stayed under raises it by `SLO_PROBE_TOKENS`. Whoever does not fit waits
 the queue (TTFT grows) instead of slowing every running stream: on 2 CPU cores a
 32-sequence decode step alone is several times a 1-sequence one, so without a cap the
 inter-token gap at high concurrency is set by the batch, not by the target. The decode
-time of a batch size not yet seen is taken from the nearest smaller one (optimistic:
-one more sequence is tried, its steps are measured, and the cap settles).
+time of a batch size not yet seen is scaled linearly from the nearest smaller one (an
+upper bound: one row's cost more), so admission never plans a step over the SLO.
 Policy only: the scheduler asks, the engine reports each step.
 """
 
@@ -64,6 +64,9 @@ SLO_MIN_TOKENS = 4
 # The SLO chunk cap (AIMD): its cut after a step over the SLO, and its rise after a full one under.
 SLO_BACKOFF = 0.75
 SLO_PROBE_TOKENS = 2
+# With an ITL SLO, a wave (sequences that start decoding together: scheduler.py) grows while
+# a decode step at its size is estimated within this share of the SLO (the rest: noise).
+SLO_WAVE_SHARE = 0.75
 # With an ITL SLO, after this many steps without a step of prefill beside decodes, one new
 # sequence may start on the fit's slope alone (its intercept is set aside): see `admits`.
 SLO_REPROBE_STEPS = 96
@@ -139,15 +142,20 @@ class StepBudget:
         known = [b for b in self.decode_ms if b <= want]
         if not known:
             return True
-        decode = self.decode_ms[max(known)]
         smaller = [b for b in known if b < want]
         if smaller:
             # One more row adds at most its share: a batch's estimate is kept within the
             # linear scaling of a smaller one's. Without it one slow 2-decode step (32
             # requests arriving at once, 100 ms) refused every second sequence, and as
             # nothing then ran at 2 the estimate never healed: 18 s of one-at-a-time.
+            # A size not measured yet gets that scaling itself: the smaller one's time
+            # (the old guess) left no room for the new row's cost, and the chunk beside it
+            # ran over the SLO for its whole prompt (SmolLM2 int8, 15 ms SLO: 16-17 ms
+            # steps at 4 tokens, 2.2 ms a row).
             b = max(smaller)
-            decode = min(decode, self.decode_ms[b] * want / b)
+            decode = min(self.decode_ms.get(want, math.inf), self.decode_ms[b] * want / b)
+        else:
+            decode = self.decode_ms[want]
         if self.ms_per_prefill_token is None:
             return decode <= SLO_DECODE_SHARE * self.slo_ms
         chunk = SLO_MIN_TOKENS * self.ms_per_prefill_token
@@ -162,6 +170,16 @@ class StepBudget:
             self.steps_since_mixed = 0  # one probe per window
             return True
         return False
+
+    def wave_admits(self, num_members: int) -> bool:
+        """Whether a wave of `num_members` (none decoding yet) may take one more: its decode
+        step at the new size must stay within `SLO_WAVE_SHARE` of the SLO. A size not
+        measured yet is estimated by linear scaling from the nearest one measured (an upper
+        bound: a decode step grows less than linearly), so waves grow as their steps are
+        measured; before any decode step was measured a wave is one sequence."""
+        if self.slo_ms <= 0 or not self.decode_ms:
+            return False
+        return self.decode_step_ms(num_members + 1) <= SLO_WAVE_SHARE * self.slo_ms
 
     def decode_step_ms(self, num_decodes: int) -> float:
         """Estimated time of a decode-only step: the measured batch size, else the nearest
