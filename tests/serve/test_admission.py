@@ -42,7 +42,10 @@ def test_bounded_queue_rejects_with_retry_after_and_never_waits_longer(engine):
             async def one(i: int):
                 await asyncio.sleep(0.02 * i)  # arrival order: the first one takes the only slot
                 t0 = loop.time()
-                r = await client.post("/v1/completions", json=_completion(200))
+                # 1000 tokens: the slot must outlast the 150 ms deadline; the tiny model
+                # decodes 200 in under 170 ms on a fast CPU (a Zen 5 core), which let the
+                # queued request in and made this test flaky there.
+                r = await client.post("/v1/completions", json=_completion(1000))
                 body = await r.json()
                 return r.status, r.headers.get("Retry-After"), (t0, loop.time()), body
 
@@ -59,7 +62,7 @@ def test_bounded_queue_rejects_with_retry_after_and_never_waits_longer(engine):
         assert body["error"]["code"] == 429
     # Times on the server's own loop (client and server share it here). The queued one was
     # told no at its 150 ms deadline, not before, and long before the slot it waited for
-    # freed (the admitted 200-token request); the two that found the queue full were told
+    # freed (the admitted 1000-token request); the two that found the queue full were told
     # no while it was still waiting.
     (a0, a1), (w0, w1) = results[0][2], results[1][2]
     assert w1 - w0 >= 0.15 and w1 < a1
