@@ -299,6 +299,7 @@ class LLMEngine:
     def check_integrity(self) -> None:
         """Pool invariants, plus: every block referenced by a live sequence is counted."""
         self.block_manager.check_integrity()
+        self.scheduler.check_integrity()
         refs: dict[int, int] = {}
         for seq in self.scheduler.running:
             for b in seq.block_table:

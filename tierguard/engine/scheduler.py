@@ -116,6 +116,14 @@ class Scheduler:
         self.connector.abort(seq)  # drops a load still in flight
         self.bm.free(seq)
 
+    def check_integrity(self) -> None:
+        """Held wave members are running and have exactly their last prompt token left."""
+        running = {s.seq_id: s for s in self.running}
+        for sid in self._held:
+            seq = running.get(sid)
+            if seq is None or seq.num_pending_tokens != 1:
+                raise RuntimeError(f"scheduler: held {sid} is not a running sequence with one token left")
+
     def stats(self) -> object | None:
         """The scheduling policy's own counters (a stats dataclass), if it has any."""
         return None
