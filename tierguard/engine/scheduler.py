@@ -190,20 +190,20 @@ class Scheduler:
         n = min(seq.num_pending_tokens, budget)
         if n > 1:
             n = min(n, self._prefill_cap)
-            if self._holds_last(n, seq.num_pending_tokens, len(self.running) > 1, len(self.running), len(self.waiting)):
+            if self._holds_last(n, seq.num_pending_tokens, len(self.running), len(self.waiting)):
                 n -= 1
                 self._held.add(seq.seq_id)
             self._prefill_cap -= n
         return n
 
-    def _holds_last(self, n: int, pending: int, others: bool, members: int, queued: int) -> bool:
+    def _holds_last(self, n: int, pending: int, members: int, queued: int) -> bool:
         """Whether a chunk of `n` of a sequence's `pending` tokens keeps its last one back:
-        in a wave (not its release step), when the chunk would end the prompt while another
-        member (`others`) or one of `queued` waiting sequences that may still join a wave
-        of `members` would otherwise prefill beside this one's decodes."""
+        in a wave of `members` (this one included; not its release step), when the chunk
+        would end the prompt while another member or one of `queued` waiting sequences
+        that may still join would otherwise prefill beside this one's decodes."""
         if not self._wave or self._releasing or n < 2 or n != pending:
             return False
-        return others or self._joinable(members, queued)
+        return members > 1 or self._joinable(members, queued)
 
     def _joinable(self, members: int, queued: int) -> bool:
         """Whether one of `queued` waiting sequences may join a wave of `members`."""
@@ -234,8 +234,7 @@ class Scheduler:
                 continue  # out of the queue until its blocks arrive
             pending = len(seq) - len(match.block_ids) * self.bm.block_size
             n = min(pending, budget)
-            members = len(self.running) + 1
-            hold = self._holds_last(n, pending, members > 1, members, len(self.waiting) - 1)
+            hold = self._holds_last(n, pending, len(self.running) + 1, len(self.waiting) - 1)
             n -= hold
             if not self.bm.can_admit(seq, match, n, reserve=reserve):
                 break
