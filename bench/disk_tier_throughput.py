@@ -33,10 +33,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tierguard.kv import block_format as blk  # noqa: E402
-from tierguard.kv import disk_format as fmt  # noqa: E402
-from tierguard.kv.aead_codec import AesGcmCodec  # noqa: E402
-from tierguard.kv.disk_tier import DiskTier  # noqa: E402
+from tierguard.kv.media import block_format as blk  # noqa: E402
+from tierguard.kv.media.aead_codec import AesGcmCodec  # noqa: E402
+from tierguard.kv.media.disk import format as fmt  # noqa: E402
+from tierguard.kv.media.disk.tier import DiskTier  # noqa: E402
 
 FP = "b0b0b0b0b0b0b0b0"
 GB = 1e9

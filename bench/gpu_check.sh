@@ -15,7 +15,7 @@ import torch
 if not torch.cuda.is_available():
     raise SystemExit("gpu_check: no CUDA device visible to torch")
 from tierguard.kv.copy_handlers import register_device_host
-from tierguard.kv.host_tier import HostTier
+from tierguard.kv.media.host import HostTier
 from tierguard.kv.media import DeviceBlocks, HostSlots
 from tierguard.kv.spec import DevicePool, KVLayout
 from tierguard.kv.transfer import TransferSpec, TransferWorker

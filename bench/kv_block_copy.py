@@ -31,8 +31,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tierguard.kv.copy_handlers import register_device_host  # noqa: E402
-from tierguard.kv.host_tier import HostTier  # noqa: E402
 from tierguard.kv.media import DeviceBlocks, HostSlots  # noqa: E402
+from tierguard.kv.media.host import HostTier  # noqa: E402
 from tierguard.kv.spec import DevicePool, KVLayout  # noqa: E402
 from tierguard.kv.transfer import TransferSpec, TransferWorker  # noqa: E402
 

@@ -100,14 +100,14 @@ MUTANTS = [
     ),
     Mutant(
         "at rest: blocks written unencrypted",
-        "tierguard/kv/aead_codec.py",
+        "tierguard/kv/media/aead_codec.py",
         "self.ring.seal_into(payload, aad, out)\n        return out",
         "return payload",
         ("tests/kv/test_kv_at_rest.py::test_blocks_are_sealed_no_plaintext_run_reaches_the_file",),
     ),
     Mutant(
         "at rest: a wrong key's write-behind overwrites the right key's block",
-        "tierguard/kv/disk_tier.py",
+        "tierguard/kv/media/disk/tier.py",
         "if block_hash in self._undecodable:\n                self._c[\"rejected_writes\"] += 1",
         "if False:\n                self._c[\"rejected_writes\"] += 1",
         ("tests/kv/test_kv_at_rest.py::test_wrong_or_missing_key_is_a_counted_miss_that_never_overwrites",),
@@ -115,7 +115,7 @@ MUTANTS = [
     ),
     Mutant(
         "at rest: the TTL sweeper removes nothing",
-        "tierguard/kv/disk_upkeep.py",
+        "tierguard/kv/media/disk/upkeep.py",
         "victims = [h for h, t in self._touched.items() if t < cutoff]",
         "victims = []",
         ("tests/kv/test_kv_at_rest.py::test_ttl_removes_blocks_not_used_for_that_long",),

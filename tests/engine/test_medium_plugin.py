@@ -12,8 +12,8 @@ from tests.engine.conftest import make_engine
 from tests.engine.test_tiers import PROMPTS, run
 from tierguard.common.errors import TierguardError
 from tierguard.common.stats import counter, gauge
-from tierguard.kv.disk_format import as_buffer
 from tierguard.kv.media import ColdMedium, KeyedBlocks, MediumContext, register_medium
+from tierguard.kv.media.disk.format import as_buffer
 
 
 @dataclass

@@ -18,8 +18,8 @@ from tests.kv.test_kv_at_rest import shares_a_run
 from tierguard.cli.serve import READY_PREFIX
 from tierguard.common.proc import ReadyProcess
 from tierguard.engine.api import SamplingParams
-from tierguard.kv.aead_codec import AesGcmCodec
-from tierguard.kv.disk_tier import DiskTier
+from tierguard.kv.media.aead_codec import AesGcmCodec
+from tierguard.kv.media.disk.tier import DiskTier
 
 PROMPT = [prompt_ids(300, 61)]  # 15 full blocks of 4 tokens
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -12,10 +12,10 @@ import torch
 
 from tierguard.cli.main import main
 from tierguard.common.errors import TierguardError
-from tierguard.kv import block_format as blk
-from tierguard.kv import disk_format as fmt
-from tierguard.kv.aead_codec import AesGcmCodec, header_key_id
-from tierguard.kv.disk_tier import DiskTier
+from tierguard.kv.media import block_format as blk
+from tierguard.kv.media.aead_codec import AesGcmCodec, header_key_id
+from tierguard.kv.media.disk import format as fmt
+from tierguard.kv.media.disk.tier import DiskTier
 
 FP = "a1b2c3d4e5f60718"
 N = 4096

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tierguard.kv.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+from tierguard.kv.media.remote.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 
 
 class Clock:

@@ -18,11 +18,11 @@ import torch
 from tierguard.common.stats import flat, quantile_ms
 from tierguard.engine.block_manager import PrefixMatch
 from tierguard.engine.block_pool import BlockPool
-from tierguard.kv import disk_format as fmt
 from tierguard.kv.connector import TierOptions
 from tierguard.kv.contract import ColdContract
 from tierguard.kv.faults import FaultInjector
 from tierguard.kv.guard import ColdContractViolation, decode_depth, decode_guard
+from tierguard.kv.media.disk import format as fmt
 from tierguard.kv.spec import DevicePool, KVLayout
 from tierguard.kv.tiered_connector import TieredConnector
 
@@ -287,8 +287,8 @@ def test_engine_loop_under_decode_guard_never_reads_disk(tmp_path, layout, fp):
 
 
 def test_naive_sync_disk_reads_inside_decode_and_counts_them(tmp_path, layout, fp):
-    from tierguard.kv.disk_tier import DiskTier
-    from tierguard.kv.naive import NaiveSpillTier, NaiveSyncDisk
+    from tierguard.baselines.naive_kv import NaiveSpillTier, NaiveSyncDisk
+    from tierguard.kv.media.disk.tier import DiskTier
 
     pool = DevicePool.allocate(layout, num_blocks=4)
     pool.tensors[0][0] = torch.randn(pool.tensors[0][0].shape).to(pool.tensors[0].dtype)

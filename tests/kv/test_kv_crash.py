@@ -9,15 +9,15 @@ import sys
 import textwrap
 import time
 
-from tierguard.kv import disk_format as fmt
-from tierguard.kv.disk_tier import DiskTier
+from tierguard.kv.media.disk import format as fmt
+from tierguard.kv.media.disk.tier import DiskTier
 
 from .conftest import FP, payload
 
 CHILD = textwrap.dedent(
     """
     import os, sys, time, torch
-    from tierguard.kv.disk_tier import DiskTier
+    from tierguard.kv.media.disk.tier import DiskTier
 
     root, mode, nbytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
 

@@ -8,10 +8,10 @@ import subprocess
 
 import pytest
 
-from tierguard.kv import disk_format as fmt
-from tierguard.kv.disk_tier import DiskTier
 from tierguard.kv.faults import FaultInjector
 from tierguard.kv.guard import ColdContractViolation, decode_guard
+from tierguard.kv.media.disk import format as fmt
+from tierguard.kv.media.disk.tier import DiskTier
 
 from .conftest import FP, payload
 
@@ -214,7 +214,7 @@ def test_decode_guard_refuses_disk_reads(tmp_path):
 
 
 def test_naive_spill_tier_allows_and_counts_reads_in_decode(tmp_path):
-    from tierguard.kv.naive import NaiveSpillTier
+    from tierguard.baselines.naive_kv import NaiveSpillTier
 
     tier = NaiveSpillTier(tmp_path, FP, 1 << 20)  # benchmark only; the disk tier has no switch
     tier.write(1, payload(1, N))

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import random
 
-from tierguard.kv.host_tier import HostTier
+from tierguard.kv.media.host import HostTier
 
 
 def make(slots: int = 4, block_bytes: int = 64) -> HostTier:

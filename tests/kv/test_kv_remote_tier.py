@@ -14,9 +14,9 @@ import redis
 from tests.kv.conftest import FP, payload, wait_until
 from tierguard.common.errors import TierguardError
 from tierguard.common.redis_server import RedisServer, free_port
-from tierguard.kv import block_format as blk
 from tierguard.kv.guard import ColdContractViolation, decode_guard
-from tierguard.kv.remote_tier import RemoteTier
+from tierguard.kv.media import block_format as blk
+from tierguard.kv.media.remote.tier import RemoteTier
 
 BLOCK = 4096
 STORED = blk.HEADER_LEN + BLOCK
@@ -237,7 +237,7 @@ def test_with_the_aes_codec_no_plaintext_run_reaches_redis(tiers, redis_server, 
     """--kv-encrypt-key-file covers the remote tier: real AES-256-GCM through the same codec
     the disk tier uses; a replica with the key reads, one without it misses (counted)."""
     from tests.kv.test_kv_at_rest import key_file, kv_like, shares_a_run
-    from tierguard.kv.aead_codec import AesGcmCodec
+    from tierguard.kv.media.aead_codec import AesGcmCodec
 
     tmp_path.chmod(0o700)
     codec = AesGcmCodec.from_files(key_file(tmp_path / "A"))

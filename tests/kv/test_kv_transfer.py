@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from tierguard.kv.copy_handlers import register_cold_medium, register_device_host
-from tierguard.kv.disk_tier import DiskBlocks, DiskTier
 from tierguard.kv.faults import FaultInjector
-from tierguard.kv.host_tier import HostTier
 from tierguard.kv.media import DeviceBlocks, HostSlots
+from tierguard.kv.media.disk.tier import DiskBlocks, DiskTier
+from tierguard.kv.media.host import HostTier
 from tierguard.kv.spec import DevicePool, KVLayout
 from tierguard.kv.transfer import TransferSpec, TransferWorker
 

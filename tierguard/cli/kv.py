@@ -4,7 +4,7 @@
 
 DIR is a server's `--kv-disk-dir`. One line per fingerprint directory says what was
 removed; bad input is one line on stderr and exit 2. The rules (what it touches, and
-what "older" means) are in tierguard/kv/disk_purge.py and docs/cold-contract.md.
+what "older" means) are in tierguard/kv/media/disk/purge.py and docs/cold-contract.md.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     if args.kv_command != "purge":
         raise TierguardError("tierguard kv needs a command: purge (see 'tierguard kv --help')")
     from tierguard.common.units import parse_duration
-    from tierguard.kv.disk_purge import purge_dir, tier_dirs
+    from tierguard.kv.media.disk.purge import purge_dir, tier_dirs
 
     older = parse_duration(args.older_than, "--older-than") if args.older_than is not None else None
     dirs = tier_dirs(args.dir, args.fingerprint)

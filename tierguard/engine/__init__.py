@@ -20,7 +20,7 @@ async_engine.py     AsyncLLMEngine: engine thread + asyncio delivery
 factory.py          build an engine from a model directory and a memory budget
 weight_offload.py   decoder layers kept in host memory and streamed in per step (its own budget)
 kv_quality.py       greedy agreement and attention error of a quantized KV pool vs the model dtype
-naive_scheduler.py  BENCHMARK ONLY (--kv-naive-sync-disk): demand-paging scheduler, disk read in decode
-naive_pager.py      BENCHMARK ONLY: pages running sequences out to disk and back for naive_scheduler
 speed.py            `python -m tierguard.engine.speed`: decode tokens/s probe
+
+The benchmark-only baseline (`--kv-naive-sync-disk`) lives in tierguard/baselines/.
 """

@@ -21,7 +21,7 @@ class EngineConfig:
     kv_host_gib: float = 0.0  # host-RAM tier budget
     kv_disk_dir: str | None = None  # NVMe tier directory (shorthand for kv_media["disk"])
     kv_disk_gib: float = 0.0  # NVMe tier budget
-    # Further cold media by registered name -> options (tierguard/kv/media.py); a new
+    # Further cold media by registered name -> options (tierguard/kv/media/base.py); a new
     # medium is configured here without a new engine setting.
     kv_media: dict[str, dict[str, Any]] = field(default_factory=dict)
     ttft_budget_ms: dict[str, float] | None = None  # per request class; None: the contract's defaults
@@ -38,7 +38,7 @@ class EngineConfig:
     # Decode-only steps of up to this many sequences run on static buffers, captured as
     # CUDA graphs on CUDA (decode_graphs.py); 0: off. Eager on the CPU (tests only).
     decode_graph_max_batch: int = 0
-    # Cold KV at rest (tierguard/kv/aead_codec.py): AES-256-GCM key files for every cold
+    # Cold KV at rest (tierguard/kv/media/aead_codec.py): AES-256-GCM key files for every cold
     # medium, the old key of a rotation, and the disk tier's time to live (0: none).
     kv_encrypt_key_file: str | None = None
     kv_encrypt_old_key_file: str | None = None

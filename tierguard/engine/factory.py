@@ -175,7 +175,7 @@ def build_engine(
         kv_host_gib=kv_host_gib,  # tiered KV store: tierguard/kv/connector.py
         kv_disk_dir=None if kv_disk_dir is None else str(kv_disk_dir),
         kv_disk_gib=kv_disk_gib,
-        kv_media=dict(kv_media or {}),  # further cold media by registered name: tierguard/kv/media.py
+        kv_media=dict(kv_media or {}),  # further cold media by registered name: tierguard/kv/media/base.py
         ttft_budget_ms=ttft_budget_ms,
         naive_sync_disk=naive_sync_disk,
         kv_dtype=kv_dtype,
@@ -183,7 +183,7 @@ def build_engine(
         itl_slo_ms=itl_slo_ms,
         prefill_share=DEFAULT_PREFILL_SHARE if prefill_share is None else prefill_share,
         decode_graph_max_batch=min(32, max_num_seqs) if cuda_graphs and dev.type == "cuda" else 0,
-        kv_encrypt_key_file=kv_encrypt_key_file,  # cold KV at rest: tierguard/kv/aead_codec.py
+        kv_encrypt_key_file=kv_encrypt_key_file,  # cold KV at rest: tierguard/kv/media/aead_codec.py
         kv_encrypt_old_key_file=kv_encrypt_old_key_file,
         kv_disk_ttl_s=kv_disk_ttl_s,
     )

@@ -152,7 +152,7 @@ class LLMEngine:
             return NoConnector()
         options = TierOptions(int(config.kv_host_gib * GIB), config.media_options(), config.ttft_budget_ms)
         if config.kv_encrypt_key_file:  # every cold medium stores blocks sealed (AES-256-GCM)
-            from tierguard.kv.aead_codec import AesGcmCodec
+            from tierguard.kv.media.aead_codec import AesGcmCodec
 
             old = [config.kv_encrypt_old_key_file] if config.kv_encrypt_old_key_file else []
             options.codec = AesGcmCodec.from_files(config.kv_encrypt_key_file, old)
@@ -165,7 +165,7 @@ class LLMEngine:
     def _make_scheduler(self) -> Scheduler:
         config, bm = self.config, self.block_manager
         if config.naive_sync_disk:  # benchmark only: the failure mode the contract prevents
-            from tierguard.engine.naive_scheduler import make_naive_scheduler
+            from tierguard.baselines.naive_scheduler import make_naive_scheduler
 
             return make_naive_scheduler(config, bm, self.connector, self.runner.device_pool, self.fingerprint)
         if self.contract is not None:

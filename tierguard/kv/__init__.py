@@ -7,27 +7,18 @@ The engine talks only to the connector; policy (manager, LRU, contract) is kept 
 from mechanism (transfer worker, copy handlers, media). See docs/architecture.md.
 
 connector.py      the engine's one object: get_num_matched / start_load / offload / poll / abort
+tiered_connector.py  the connector over host RAM and the cold media
 contract.py       the cold contract: classes, TTFT budgets, staging deadlines, class order, decisions
 manager.py        KVManager (lookup / prepare_load / complete_load / prepare_store / ... / touch)
 lru.py            eviction policy, apart from the storage it protects
-host_tier.py      host-RAM slab: slots, two-phase pins
-media.py          block specs per medium, the ColdMedium interface, the medium registry
-disk_tier.py      the "disk" medium: atomic checksummed block files, byte budget, restart scan
-block_format.py   a stored block, medium-neutral: header, checksum, codec (encryption hook)
-disk_format.py    block file names, directory scan, raw file I/O
-remote_tier.py    the "remote" medium: blocks shared by replicas through one Redis (--kv-remote-url)
-remote_index.py   what is known to be in Redis, without a round trip: own writes + the fleet's journal
-breaker.py        circuit breaker: a Redis that is down costs no waiting
-disk_upkeep.py    the disk tier's sweeper: TTL expiry, resealing blocks of an old key
-disk_purge.py     `tierguard kv purge`: operators remove block files (by age, by fingerprint)
-aead_codec.py     AES-256-GCM BlockCodec (--kv-encrypt-key-file): cold KV sealed at rest
 transfer.py       transfer worker: jobs routed by (source spec, destination spec) to handlers
 copy_handlers.py  device <-> host (batched, contiguous) and host <-> cold medium handlers
 spec.py           KV layout (blocks first), device pool, the one model fingerprint
 guard.py          the decode guard: a disk read inside a decode step raises ColdContractViolation
 faults.py         fault injection for tests (errors and delays at real I/O points)
 quant.py          fp8 / int8 KV quantization and its error
-naive.py          BENCHMARK ONLY: synchronous spill/restore for --kv-naive-sync-disk
+media/            where blocks live: the ColdMedium interface and registry, the block format,
+                  the host-RAM slab (media/host.py), media/disk/ (NVMe), media/remote/ (Redis)
 
 The contract, answering R4's questions:
 

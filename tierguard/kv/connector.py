@@ -37,10 +37,10 @@ from typing import Any, Protocol
 
 from tierguard.common.histogram import LatencyHistogram
 from tierguard.common.stats import counter, gauge, group
-from tierguard.kv.block_format import IDENTITY, BlockCodec
 from tierguard.kv.contract import ContractStats
-from tierguard.kv.host_tier import HostTierStats
 from tierguard.kv.manager import ManagerStats
+from tierguard.kv.media.block_format import IDENTITY, BlockCodec
+from tierguard.kv.media.host import HostTierStats
 from tierguard.kv.transfer import RouteStats
 
 

@@ -18,8 +18,8 @@ from typing import cast
 
 import torch
 
-from tierguard.kv.host_tier import HostTier
 from tierguard.kv.media import ColdMedium, DeviceBlocks, HostSlots, KeyedBlocks
+from tierguard.kv.media.host import HostTier
 from tierguard.kv.spec import DevicePool
 from tierguard.kv.transfer import TransferHandler, TransferSpec, TransferWorker
 

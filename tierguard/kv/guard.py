@@ -10,7 +10,7 @@ The engine enters the guard around scheduling and around the model run of every 
 (tierguard/engine/llm_engine.py); `decode_depth()` lets a test assert, from inside a
 step, that it runs under the guard. The disk tier counts a refused read
 (`reads_in_decode`) before raising. The benchmark-only naive mode
-(`--kv-naive-sync-disk`) reads from its own spill tier (tierguard/kv/naive.py), which
+(`--kv-naive-sync-disk`) reads from its own spill tier (tierguard/baselines/naive_kv.py), which
 counts such reads instead of refusing them; the production disk tier has no switch.
 """
 

@@ -27,8 +27,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from tierguard.common.stats import counter
-from tierguard.kv.host_tier import HostTier
 from tierguard.kv.media import ColdMedium
+from tierguard.kv.media.host import HostTier
 
 HOST = HostTier.name
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from tierguard.common.errors import TierguardError
-from tierguard.kv.block_format import is_fingerprint  # noqa: F401 - re-exported: the fingerprint's shape
+from tierguard.kv.media.block_format import is_fingerprint  # noqa: F401 - re-exported: the fingerprint's shape
 
 # A payload part starts on this boundary so a uint8 view can be reinterpreted as any dtype.
 PART_ALIGN = 16

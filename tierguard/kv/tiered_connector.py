@@ -36,9 +36,9 @@ from tierguard.kv.connector import (
 from tierguard.kv.contract import BATCH, ColdContract
 from tierguard.kv.copy_handlers import register_cold_medium, register_device_host
 from tierguard.kv.faults import FaultInjector
-from tierguard.kv.host_tier import HostTier
 from tierguard.kv.manager import HOST, KVManager, LoadPlan, StorePlan, TieredManager
 from tierguard.kv.media import ColdMedium, DeviceBlocks, HostSlots, MediumContext, create_medium
+from tierguard.kv.media.host import HostTier
 from tierguard.kv.spec import DevicePool
 from tierguard.kv.transfer import TransferResult, TransferSpec, TransferWorker
 

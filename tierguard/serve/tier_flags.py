@@ -86,7 +86,7 @@ def add_tier_flags(p: argparse.ArgumentParser) -> None:
 
 
 def remote_kwargs(args: argparse.Namespace, host_gib: float) -> dict:
-    """`kv_media={"remote": options}` (tierguard/kv/remote_tier.py) for --kv-remote-url, else {}.
+    """`kv_media={"remote": options}` (tierguard/kv/media/remote/tier.py) for --kv-remote-url, else {}.
     The engine looks media up in order: the disk tier first, then this one."""
     url = getattr(args, "kv_remote_url", None)
     if url is None:

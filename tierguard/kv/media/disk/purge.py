@@ -26,8 +26,8 @@ import time
 from dataclasses import dataclass
 
 from tierguard.common.errors import TierguardError
-from tierguard.kv import disk_format as fmt
-from tierguard.kv.block_format import is_fingerprint
+from tierguard.kv.media.block_format import is_fingerprint
+from tierguard.kv.media.disk import format as fmt
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | fmt.OPEN_FLAGS
 

@@ -1,7 +1,7 @@
 """Block files of the disk tier: names, the directory scan, and raw file I/O.
 
 `<root>/<fingerprint>/<hash:016x>.kvb` holds one block in the medium-neutral format of
-tierguard/kv/block_format.py (64-byte header, then the stored bytes). Temporary files are
+tierguard/kv/media/block_format.py (64-byte header, then the stored bytes). Temporary files are
 `.tmp-<hash:016x>-<pid>-<seq>`; a dead writer's pid marks them as leftovers of a kill -9
 that the next start removes.
 """
@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tierguard.kv.block_format import HEADER_LEN, U64_MAX, BadHeader, Header, decode_header
+from tierguard.kv.media.block_format import HEADER_LEN, U64_MAX, BadHeader, Header, decode_header
 
 if TYPE_CHECKING:
     import torch

@@ -110,7 +110,7 @@ class BlockCodec(Protocol):
     payload length) and returns False when the stored bytes cannot be decoded (wrong key,
     failed authentication): the caller counts a miss and recomputes, never an error.
     Optional, for keyed codecs: `readable(codec_id, key_id)` and `is_current(key_id)`
-    (see `codec_can_read`, `sealed_with_old_key`); tierguard/kv/aead_codec.py has both.
+    (see `codec_can_read`, `sealed_with_old_key`); tierguard/kv/media/aead_codec.py has both.
     """
 
     codec_id: int

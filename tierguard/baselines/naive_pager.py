@@ -9,7 +9,7 @@ synchronously inside that step (paging out someone else if needed) before the mo
 runs. With a working set larger than the pool, every step writes and reads blocks on
 the decode path; each such read is counted by the disk tier (`reads_in_decode`) and
 the time the engine thread spent blocked is counted here. Spilled blocks are dropped
-from the page cache right after they are written (see tierguard/kv/naive.py), so the
+from the page cache right after they are written (see tierguard/baselines/naive_kv.py), so the
 read-back waits for the device, as it would with NVMe used as VRAM on a real server.
 
 A paged-out sequence holds no device blocks and keeps `num_computed_tokens`.
@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import xxhash
 
+from tierguard.baselines.naive_kv import NaiveSyncDisk
 from tierguard.common.stats import counter, gauge
 from tierguard.engine.block_pool import BlockPool
 from tierguard.engine.sequence import Sequence
-from tierguard.kv.naive import NaiveSyncDisk
 
 
 @dataclass

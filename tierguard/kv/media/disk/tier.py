@@ -47,13 +47,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierguard.common.stats import counter, gauge
-from tierguard.kv import block_format as blk
-from tierguard.kv import disk_format as fmt
-from tierguard.kv.disk_upkeep import DiskUpkeep, Sweeper, sweep_interval
 from tierguard.kv.faults import FaultInjector
 from tierguard.kv.guard import check_disk_read_allowed, decode_in_progress
 from tierguard.kv.lru import EvictionPolicy, LRUPolicy
 from tierguard.kv.media import Buffer, ColdMedium, KeyedBlocks, MediumContext, register_medium
+from tierguard.kv.media import block_format as blk
+from tierguard.kv.media.disk import format as fmt
+from tierguard.kv.media.disk.upkeep import DiskUpkeep, Sweeper, sweep_interval
 from tierguard.kv.spec import is_fingerprint
 
 _OPEN_FLAGS = fmt.OPEN_FLAGS

@@ -15,15 +15,15 @@ from __future__ import annotations
 import os
 import shutil
 
+from tierguard.baselines.naive_kv import NaiveSpillTier, NaiveSyncDisk
+from tierguard.baselines.naive_pager import NaivePager
 from tierguard.common.errors import TierguardError
 from tierguard.common.units import GIB
 from tierguard.engine.block_manager import BlockManager, PrefixMatch
 from tierguard.engine.config import EngineConfig
-from tierguard.engine.naive_pager import NaivePager
 from tierguard.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from tierguard.engine.sequence import Sequence, SequenceStatus
 from tierguard.kv.connector import KVConnector
-from tierguard.kv.naive import NaiveSpillTier, NaiveSyncDisk
 from tierguard.kv.spec import DevicePool
 
 

@@ -45,12 +45,12 @@ from redis.retry import Retry
 
 from tierguard.common.errors import TierguardError
 from tierguard.common.stats import counter, gauge
-from tierguard.kv import block_format as blk
-from tierguard.kv.breaker import CLOSED, CircuitBreaker
-from tierguard.kv.disk_format import as_buffer
 from tierguard.kv.guard import ColdContractViolation, decode_in_progress
 from tierguard.kv.media import Buffer, ColdMedium, KeyedBlocks, MediumContext, register_medium
-from tierguard.kv.remote_index import RemoteIndex
+from tierguard.kv.media import block_format as blk
+from tierguard.kv.media.disk.format import as_buffer
+from tierguard.kv.media.remote.breaker import CLOSED, CircuitBreaker
+from tierguard.kv.media.remote.index import RemoteIndex
 
 log = logging.getLogger("tierguard.kv.remote")
 MGET_CHUNK = 32  # keys per MGET; a pipeline carries all chunks of a job in one round trip

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tierguard.kv import disk_format as fmt
-from tierguard.kv.disk_tier import DiskTier
 from tierguard.kv.guard import decode_in_progress
+from tierguard.kv.media.disk import format as fmt
+from tierguard.kv.media.disk.tier import DiskTier
 from tierguard.kv.spec import DevicePool
 
 

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tierguard.kv import disk_format as fmt
+from tierguard.kv.media.disk import format as fmt
 
 log = logging.getLogger("tierguard.kv.disk")
 

@@ -30,8 +30,8 @@ from typing import Any, ClassVar
 import torch
 
 from tierguard.common.errors import TierguardError
-from tierguard.kv.block_format import IDENTITY, BlockCodec
 from tierguard.kv.faults import FaultInjector
+from tierguard.kv.media.block_format import IDENTITY, BlockCodec
 
 
 class BlockSpec:
@@ -120,7 +120,7 @@ class MediumContext:
 MediumFactory = Callable[[MediumContext, Mapping[str, Any]], ColdMedium]
 
 # Media shipped with tierguard, imported on first use: name -> module that registers it.
-BUILTIN_MEDIA: dict[str, str] = {"disk": "tierguard.kv.disk_tier", "remote": "tierguard.kv.remote_tier"}
+BUILTIN_MEDIA: dict[str, str] = {"disk": "tierguard.kv.media.disk.tier", "remote": "tierguard.kv.media.remote.tier"}
 _REGISTRY: dict[str, MediumFactory] = {}
 
 

@@ -1,0 +1,7 @@
+"""The "disk" medium (NVMe): one checksummed file per block under `<dir>/<fingerprint>/`.
+
+tier.py      DiskTier: atomic writes, byte budget, LRU, restart scan, the decode guard
+format.py    block file names, directory scan, raw file I/O
+upkeep.py    the sweeper thread: TTL expiry, resealing blocks of an old key
+purge.py     `tierguard kv purge`: operators remove block files (by age, by fingerprint)
+"""
