@@ -4,7 +4,7 @@ Drives the known-schedule server (TTFT 50 ms, ITL 20 ms, 128 output tokens, a 50
 stall in every tenth request) at 1, 64, 256 and 1024 concurrent streams and compares
 what tierguard reports with what the server actually did: the server logs the
 CLOCK_MONOTONIC time of every write (`/truth`), the same clock the client uses.
-Prints one JSON object. Goals (issue 4): at 256 streams p99 TTFT within 15 ms and p99
+Prints one JSON object. Goals: at 256 streams p99 TTFT within 15 ms and p99
 per-token ITL within 2 ms of the truth; at 1024 within 50 ms; every stall found within
 5 ms of its true length; < 2.5 ms client CPU per 128-token request.
 

@@ -1,4 +1,4 @@
-"""Fuzz serve's and the gate's routes and print the counts (issue 15).
+"""Fuzz serve's and the gate's routes and print the counts.
 
 The same harness and seeded Hypothesis strategy as tests/serve/test_fuzz_http.py, for
 any number of cases: generated JSON bodies, odd headers, short Content-Lengths and

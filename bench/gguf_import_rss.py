@@ -1,7 +1,7 @@
 """Peak memory and time of `tierguard model import-gguf` on SmolLM2 (Q4_1 GGUF, 93 MB).
 
 The importer dequantizes and writes one tensor at a time, so its peak RSS should stay
-under the output's size plus 300 MB (issue 10). Each import runs in a fresh process
+under the output's size plus 300 MB. Each import runs in a fresh process
 (`tierguard model import-gguf`, the CLI a user runs); the child's peak RSS comes from
 getrusage(RUSAGE_CHILDREN) after it exits.
 

@@ -57,7 +57,7 @@ for layout in (KVLayout(32, 8, 128, 16, "bfloat16"), KVLayout(4, 2, 64, 16, "int
     print(f"gpu_check: exact round trip ok for {layout.dtype}/{layout.quantization}, block {pool.block_bytes} B")
 PYEOF
 "$PY" bench/kv_block_copy.py --device cuda --layers 32 --kv-heads 8 --head-dim 128 --dtype bfloat16 --jobs 100 --pool-blocks 2048
-# 3. issue 11: decode steps captured as CUDA graphs give the same tokens and logits as
+# 3. decode steps captured as CUDA graphs give the same tokens and logits as
 #    eager steps (padding rows write only the scratch block); int8/int4 weights on CUDA
 #    (the blocked plain-torch matmul) generate; decode speed with and without graphs.
 "$PY" - <<'PYEOF'

@@ -1,6 +1,6 @@
 """Does one careless client freeze everyone? Oversized prompts while 8 streams decode.
 
-Issue 15's must-show. A real `tierguard serve --model tiny` subprocess; C streams decode
+A real `tierguard serve --model tiny` subprocess; C streams decode
 in a closed loop (ignore_eos, fixed max_tokens) for the whole run. The run alternates
 two phases of equal length, `trials` times each: "quiet" (only the streams) and "flood"
 (the streams plus N requests whose JSON body carries a prompt of SIZE MB of "x", sent

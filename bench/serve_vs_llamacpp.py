@@ -1,6 +1,6 @@
 """`tierguard serve` (float32 / int8 / int4 weights) against llama.cpp and transformers on SmolLM2.
 
-Issue 11's table, measured in one run so its targets are ratios of numbers taken side by
+One table, measured in one run so its targets are ratios of numbers taken side by
 side: every server is a real subprocess on loopback, run one at a time (never two at
 once: they share the CPU), driven by the same aiohttp streaming client. Each level is a
 closed loop of C clients for `--duration` seconds, then a drain of what is in flight:
@@ -26,7 +26,7 @@ The weight-read time is the float32 weight bytes (from the server's /metrics) ov
 bandwidth of a large float32 GEMV measured in this process with the same thread count
 right before the servers run (`bench/gemv_bandwidth` in the JSON).
 
-Targets (issue 11), each true/false, or null when a side is missing or invalid:
+Targets, each true/false, or null when a side is missing or invalid:
   fp32 C=1 ITL p50 <= 1.3 x weight-read time, and <= llamacpp-f32's
   int8 C=1 ITL p50 <= llamacpp-q8_0's; int4 <= llamacpp-q4_1's
   C=8 and C=32 output tok/s >= 2 x the best peer (per tierguard variant)

@@ -1,6 +1,6 @@
 """Slowloris against the gate: do 500 sockets that never finish their headers cost anyone?
 
-Issue 15's must-show. A real `tierguard gate` in front of the schedule server (known
+A real `tierguard gate` in front of the schedule server (known
 TTFT). Two phases of the same normal load (`--requests` streaming completions one after
 another, TTFT measured at the client): "quiet", then "attack" while `--sockets`
 connections each send a partial request line and then one more header byte every

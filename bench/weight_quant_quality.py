@@ -10,7 +10,7 @@ the rest) turns them into logits. Over the last `--positions` positions of each 
   agreement   share of positions whose top-1 next token equals float32's
   perplexity  exp(mean negative log-likelihood of the actual next token)
 
-Targets (issue 11): agreement >= 0.98 for int8 and >= 0.9 for int4. Prints JSON.
+Targets: agreement >= 0.98 for int8 and >= 0.9 for int4. Prints JSON.
 
     .venv/bin/python bench/weight_quant_quality.py --model DIR|smollm2 [--weight-dtype int8,int4]
 """
@@ -37,7 +37,7 @@ TARGETS = {"int8": 0.98, "int4": 0.9}
 
 def resolve_model(spec: str) -> Path:
     try:
-        from tierguard.model.registry import resolve_model as resolve  # issue 10's resolver
+        from tierguard.model.registry import resolve_model as resolve  # tiny, smollm2, a .gguf or a directory
     except ImportError:
         return Path(spec)
     return Path(resolve(spec))

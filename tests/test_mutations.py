@@ -15,7 +15,7 @@ mean nothing.
 Adding a mutant is one entry in MUTANTS. A `slow=True` mutant runs with `make test-all`
 (`-m slow`), not in the default suite: one whose killers are expensive (they load
 transformers), or one beyond the headline claims (each mutant costs a process start,
-several seconds of CPU on this VM; the default list stays short).
+several seconds of CPU; the default list stays short).
 """
 
 from __future__ import annotations

@@ -274,7 +274,7 @@ def test_slo_chunks_leave_room_for_the_fixed_cost():
         budget.observe(4, n, (40.0 + 20.0 + 1.0 * n) / 1000)  # 20 ms fixed, 1 ms per token
     assert budget.prefill_fixed_ms == pytest.approx(20.0)
     assert budget.ms_per_prefill_token == pytest.approx(1.0)
-    # (100 - 40 - 20) / 1 = 40 tokens, where a ratio (~1.5 ms/token here) gave 40 / 1.5
+    # (100 - 40 - 20) / 1 = 40 tokens, where a ratio (~1.5 ms/token in this example) gave 40 / 1.5
     assert budget.prefill_tokens(4, 512) == 40
     budget.observe(6, 0, 0.075)
     budget.observe(7, 0, 0.077)

@@ -1,4 +1,4 @@
-"""The gate against slow and greedy peers, and its async jobs as protected data (issue 15).
+"""The gate against slow and greedy peers, and its async jobs as protected data.
 
 Real processes and real sockets: a gate subprocess in front of the schedule server.
 """

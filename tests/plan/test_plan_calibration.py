@@ -1,4 +1,4 @@
-"""Calibration against public vLLM startup logs (issue 14): data, version rules, leave-one-out.
+"""Calibration against public vLLM startup logs: data, version rules, leave-one-out.
 
 The leave-one-out run plans every logged run from its config and settings alone, with the
 reserve coefficients fitted on the other rows, and compares vLLM's "GPU KV cache size".

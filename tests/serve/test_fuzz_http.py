@@ -1,4 +1,4 @@
-"""Property-based fuzzing of serve's and the gate's routes (issue 15).
+"""Property-based fuzzing of serve's and the gate's routes.
 
 Generated JSON bodies (near-valid requests, arbitrary JSON, raw bytes), odd headers,
 wrong Content-Lengths and byte noise go to completions, chat, tokenize/detokenize and

@@ -1,4 +1,4 @@
-"""`tierguard serve` against slow and greedy peers (issue 15), on real loopback sockets.
+"""`tierguard serve` against slow and greedy peers, on real loopback sockets.
 
 The app runs under the guard's runner exactly as the CLI runs it; the engine is the
 fake one (fast, counts its KV blocks per request) so each case takes milliseconds, and

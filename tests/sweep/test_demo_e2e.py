@@ -32,7 +32,7 @@ def test_demo_quick_writes_the_report(tmp_path):
     assert "Recommendation" in html and 'src="data:image/png;base64,' in html
     assert "Boundary" in res.stdout and "report:" in res.stdout
 
-    # Issue 7's must-show: NVMe read inside the decode loop lowers the boundary. Both
+    # The demo's headline claim: NVMe read inside the decode loop lowers the boundary. Both
     # variants must have run: the demo leaves out a variant whose `requires` flags its
     # `tierguard serve` lacks, and that must fail here, naming it, not skip the claim.
     skipped = [line for line in res.stdout.splitlines() if "skipping variant" in line]
