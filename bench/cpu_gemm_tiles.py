@@ -1,7 +1,7 @@
 """Batched-step matmul in the C kernels: 4 x 3 register tiles against the row-at-a-time loop.
 
 A decode step of more than 8 rows (a batch of decodes, a prefill chunk beside them)
-multiplies every weight block by all its rows. `gemm_f32_tiled` (cpu_kernels.c) keeps a
+multiplies every weight block by all its rows. `gemm_f32_tiled` (kernels/tiles.c) keeps a
 4-row x 3-weight-row tile of accumulators in registers; before it, `gemv_f32_rows` ran
 chunks of 8 rows, one loaded x vector per FMA. Both are compiled here from the engine's
 own source with its flags (tierguard/model/native.py) into one small harness, and timed
@@ -32,7 +32,7 @@ SHAPES = [(3072, 576), (576, 1536), (576, 576)]  # gate_up, down, o (N x K)
 ROWS = [12, 16, 24, 32, 48, 64]
 
 HARNESS = r"""
-#include "%(source)s"
+#include "tg_kernels.h"
 #include <stdio.h>
 #include <time.h>
 static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
@@ -43,8 +43,8 @@ int main(int argc, char **argv) {
     float *w = malloc(sizeof(float) * N * K), *x = malloc(sizeof(float) * M_all * K), *y = malloc(sizeof(float) * M_all * N);
     float *y2 = malloc(sizeof(float) * M_all * N);
     double *t0 = malloc(sizeof(double) * reps), *t1 = malloc(sizeof(double) * reps);
-    for (int64_t i = 0; i < N * K; i++) w[i] = (float)((i * 7919) %% 201 - 100) * 1e-3f;
-    for (int64_t i = 0; i < M_all * K; i++) x[i] = (float)((i * 104729) %% 101 - 50) * 1e-2f;
+    for (int64_t i = 0; i < N * K; i++) w[i] = (float)((i * 7919) % 201 - 100) * 1e-3f;
+    for (int64_t i = 0; i < M_all * K; i++) x[i] = (float)((i * 104729) % 101 - 50) * 1e-2f;
     for (int r = -2; r < reps; r++)
         for (int mode = 0; mode < 2; mode++) {
             const double t = now();
@@ -60,7 +60,7 @@ int main(int argc, char **argv) {
     for (int64_t i = 0; i < M_all * N; i++) { double d = fabs(y[i] - y2[i]); if (d > err) err = d; }
     qsort(t0, reps, sizeof(double), cmp);
     qsort(t1, reps, sizeof(double), cmp);
-    printf("%%.6f %%.6f %%.3g\n", t0[reps / 2], t1[reps / 2], err);
+    printf("%.6f %.6f %.3g\n", t0[reps / 2], t1[reps / 2], err);
     return 0;
 }
 """
@@ -71,10 +71,15 @@ def build(workdir: Path) -> Path:
     if cc is None:
         raise SystemExit("bench/cpu_gemm_tiles.py: no C compiler (cc, gcc or clang) on PATH")
     src = workdir / "harness.c"
-    src.write_text(HARNESS % {"source": native.SOURCE})
+    src.write_text(HARNESS)
     exe = workdir / "harness"
-    flags = [f for f in native.FLAGS if f not in ("-fPIC", "-std=c99")] + ["-std=gnu99"]
-    proc = subprocess.run([cc, *flags, str(src), "-o", str(exe), "-lm"], capture_output=True, text=True)
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    compile_flags, link_flags = native.compiler_flags(version)
+    lto = [f for f in link_flags if f.startswith("-flto")]
+    flags = [f for f in compile_flags if f not in ("-fPIC", "-std=c99", "-flto")] + ["-std=gnu99", *lto]
+    sources = [str(s) for s in native.SOURCES]
+    cmd = [cc, *flags, "-I", str(native.KERNELS), str(src), *sources, "-o", str(exe), "-lm"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"bench/cpu_gemm_tiles.py: {cc} failed: {proc.stderr.strip()[-400:]}")
     return exe

@@ -6,12 +6,14 @@ connector (tierguard/kv/connector.py). See docs/architecture.md.
 
 api.py              the contract with front ends (SamplingParams, RequestOutput, EngineStats, AsyncEngine)
 config.py           EngineConfig, validated at construction
-sequence.py         per-request state (token ids, block table, counters)
+sequence.py         per-request state (token ids, block table, counters), a step's schedule
 prefix_hash.py      chained content hashes of full KV blocks, salted by the model fingerprint
 block_pool.py       physical blocks: free / cached (LRU) / used, ref counts, eviction record
 block_manager.py    block tables and prefix caching on top of the pool
 scheduler.py        continuous batching, chunked prefill, preemption by recompute; connector hooks
 admission.py        admission policies: FIFO, or the cold contract's class order with tiers
+step_budget.py      prefill tokens per step and whether the batch may grow (--target-itl-ms, --itl-slo-ms)
+slo_waves.py        under --itl-slo-ms: new sequences start decoding together, catch-up steps
 model_runner.py     schedule -> tensors (slots, block tables, positions) -> model; owns the KV pool
 sampler.py          greedy / temperature / top-k / top-p / seeds, batched
 detokenizer.py      incremental detokenization and stop strings

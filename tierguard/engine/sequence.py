@@ -1,7 +1,9 @@
-"""A request's state inside the engine: plain data, mutated by the scheduler and engine."""
+"""A request's state inside the engine, and a step's schedule: plain data, mutated by the
+scheduler and engine."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from enum import Enum, auto
 
 from tierguard.engine.api import SamplingParams
@@ -85,3 +87,25 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's part of a step: the scheduler decides it, the model runner computes it."""
+
+    seq: Sequence
+    num_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+    # True when this chunk reaches the end of the sequence, so a token is sampled.
+    # Fixed at scheduling time (postprocessing moves num_computed_tokens).
+    samples: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.samples = self.seq.num_computed_tokens + self.num_tokens == len(self.seq)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's decision (scheduler.py)."""
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)  # decodes (1 token) first
+    preempted: list[Sequence] = field(default_factory=list)

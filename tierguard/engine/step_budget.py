@@ -1,51 +1,52 @@
-"""How many prefill tokens a step that carries decodes may take (`--target-itl-ms`).
+"""How many prefill tokens a step that carries decodes may take, and whether the batch may grow.
 
-Why: a step's duration is the inter-token gap of every stream decoding in it. With a
-fixed token budget, one 256-token prefill landing beside the decodes made that gap 10x
-a decode step (SmolLM2 on 2 cores: ~870 ms), and `tierguard sweep` put the boundary at
-one stream. Decodes go first and are never cut; prefill chunks are sized from what the
-steps themselves took:
+A step's duration is the inter-token gap of every stream decoding in it, so one long
+prefill beside the decodes stretches every stream's gap by its whole length. Decodes go
+first and are never cut; prefill chunks are sized from what the engine's own steps took:
 
-    step time  = max(target, (1 + prefill_share) x decode step time at this batch)
+    step time      = max(target, (1 + prefill_share) x decode step time at this batch)
     prefill tokens = (step time - decode step time - fixed) / prefill time per token
 
-all learned from the engine's own steps: decode-only steps give the decode step time
-by batch size (moving averages); every step with prefill beside decodes gives a point
-(its tokens, its time over its decodes' estimate) to a straight-line fit, whose intercept
-is the fixed cost of a step that carries prefill (one more pass over the weights, the
-per-op path's overheads) and whose slope is the time per prefill token (PrefillCost).
-Steps of prefill alone only seed the estimate until a mixed step is seen: they run
-another path (long chunks, a GEMM on whole weight tiles) at about half the per-token
-cost of a small chunk in a fused step with decodes, and one line through both regimes
-(SmolLM2 int8: 240 tokens alone in 676 ms, 14 beside a decode in 69 ms) had a 31 ms
-intercept that no mixed step has; admission read it as no room and ran the server one
-sequence at a time (32 tok/s at C=32, p99 gap 49 ms for a 90 ms SLO). A ratio alone
-(time over tokens) charged a 16-token chunk the fixed cost that a 256-token one spreads:
-chunks sized by it overshot the SLO (SmolLM2 int8, C=32: 142 ms steps for a 100 ms SLO).
-A step without decodes is not limited (no stream waits on it). When the decodes alone take
-about the target or more (a large batch, a slow CPU), a fixed target would starve the
-prefills: at 8 streams of SmolLM2 on 2 cores the decodes took ~150 ms, prefills got the
-16-token minimum, and output fell to 18 tok/s (29 with no budget at all). So prefills
+Decode-only steps give the decode step time by batch size (moving averages). Every step
+with prefill beside decodes gives a point (its tokens, its time over its decodes'
+estimate) to a straight-line fit (`PrefillCost`): the intercept is the fixed cost of a
+step that carries prefill (one more pass over the weights, the per-op path's overheads),
+the slope the time per prefill token. A ratio alone (time over tokens) would charge a
+small chunk the fixed cost a long one spreads, and overshoot. Steps of prefill alone only
+seed the estimate until a mixed step is seen: they run another path at a lower cost per
+token, and one line through both regimes has an intercept no mixed step has, which
+reads as no room. A step without decodes is not limited (no stream waits on it).
+
+`--target-itl-ms` is throughput-first: where the decodes alone take about the target or
+more (a large batch, a slow CPU), a fixed target would starve the prefills, so prefills
 always get `prefill_share` of the decode time: the gap grows by at most that factor
 over a decode-only step, and new requests keep flowing in.
 
-That is a throughput-first target. `--itl-slo-ms` is the latency-first one: a step that
-carries decodes is kept under it (prefills get what the decodes and the fixed cost
-leave, at least `SLO_MIN_TOKENS` so the queue moves), and a new sequence starts only
-while a step with one more decode would still leave room for that smallest chunk
-(before any prefill was measured: while the decodes alone take at most
-`SLO_DECODE_SHARE` of it; after `SLO_REPROBE_STEPS` steps without a mixed step, the fit's
-slope alone, so a stale intercept cannot close admission for good). The fit is noisy where chunks hardly vary (a slope from
-points of 10-24 tokens let a 65-token chunk through: a 247 ms step under a 90 ms SLO),
-so under an SLO the chunk also has a cap that backs off and probes (AIMD): a step over
-the SLO sets it to `SLO_BACKOFF` x that step's chunk, and each step that used the whole
-cap and stayed under raises it by `SLO_PROBE_TOKENS`. Whoever does not fit waits in
-the queue (TTFT grows) instead of slowing every running stream: on 2 CPU cores a
-32-sequence decode step alone is several times a 1-sequence one, so without a cap the
-inter-token gap at high concurrency is set by the batch, not by the target. The decode
-time of a batch size not yet seen is scaled linearly from the nearest smaller one (an
-upper bound: one row's cost more), so admission never plans a step over the SLO.
-Policy only: the scheduler asks, the engine reports each step.
+`--itl-slo-ms` is latency-first: a step that carries decodes is kept under it (prefills
+get what the decodes and the fixed cost leave, at least `SLO_MIN_TOKENS` so the queue
+moves), and a new sequence starts only while a step with one more decode would still
+leave room for that smallest chunk. The fit is noisy where chunks hardly vary, so under
+an SLO the chunk also has a cap that backs off and probes (AIMD): a step over the SLO
+sets it to `SLO_BACKOFF` x that step's chunk, and each step that used the whole cap and
+stayed under raises it by `SLO_PROBE_TOKENS`. Whoever does not fit waits in the queue
+(TTFT grows) instead of slowing every running stream.
+
+Contract. The caller (the scheduler) may assume:
+  - `prefill_tokens(d, limit)` is within [0, limit], is `limit` for a step without
+    decodes or without a target, and has no side effect;
+  - `admits(n)` is True without an SLO, into an empty batch, and while no batch size up
+    to n + 1 was measured; otherwise only when a step of n + 1 decodes and the smallest
+    chunk fits the SLO by the current estimates (before any prefill was measured: when
+    the decodes alone take at most `SLO_DECODE_SHARE` of it), n + 1 decodes costing at
+    most the nearest smaller measured size scaled linearly; the one exception is the
+    re-probe below;
+  - `wave_admits(n)` is False without an SLO or before any decode step was measured;
+  - the estimates change only in `observe`, apart from `admits` opening its re-probe
+    window (below).
+The engine must call `observe` once per finished step with what the step carried.
+Refusals stop the mixed steps that would correct a wrong fit; so after
+`SLO_REPROBE_STEPS` steps without one, `admits` lets one sequence start on the slope
+alone, and its chunks measure the line again.
 """
 
 from __future__ import annotations
@@ -53,18 +54,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from tierguard.engine.config import EngineConfig
+
 # Before any prefill was measured (a decode is running but nothing was prefilled alone
 # yet, e.g. after a restart of the estimates), chunks are capped here.
 UNMEASURED_CHUNK = 64
 # With an ITL SLO and no prefill measured yet, the share of it the decodes alone may take.
 SLO_DECODE_SHARE = 0.6
 # With an ITL SLO, the smallest chunk a step with decodes still takes when the SLO leaves
-# less room: the queue keeps moving (a few ms over the SLO) instead of starving.
+# less room: the queue keeps moving (a little over the SLO) instead of starving.
 SLO_MIN_TOKENS = 4
 # The SLO chunk cap (AIMD): its cut after a step over the SLO, and its rise after a full one under.
 SLO_BACKOFF = 0.75
 SLO_PROBE_TOKENS = 2
-# With an ITL SLO, a wave (sequences that start decoding together: scheduler.py) grows while
+# With an ITL SLO, a wave (sequences that start decoding together: slo_waves.py) grows while
 # a decode step at its size is estimated within this share of the SLO (the rest: noise).
 SLO_WAVE_SHARE = 0.75
 # With an ITL SLO, after this many steps without a step of prefill beside decodes, one new
@@ -128,6 +131,13 @@ class StepBudget:
         if self.slo_ms > 0:  # the SLO is also the step target
             self.target_ms = self.slo_ms
 
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> StepBudget:
+        """The engine's budget: `--target-itl-ms`, `--prefill-share`, `--itl-slo-ms`, and the
+        block size as the smallest chunk without an SLO."""
+        return cls(config.target_itl_ms, min_tokens=config.block_size, prefill_share=config.prefill_share,
+                   slo_ms=config.itl_slo_ms)
+
     @property
     def enabled(self) -> bool:
         return self.target_ms > 0
@@ -145,13 +155,11 @@ class StepBudget:
         smaller = [b for b in known if b < want]
         if smaller:
             # One more row adds at most its share: a batch's estimate is kept within the
-            # linear scaling of a smaller one's. Without it one slow 2-decode step (32
-            # requests arriving at once, 100 ms) refused every second sequence, and as
-            # nothing then ran at 2 the estimate never healed: 18 s of one-at-a-time.
+            # linear scaling of a smaller one's, so one slow step at a size cannot refuse
+            # every later sequence (nothing would run at that size to heal the estimate).
             # A size not measured yet gets that scaling itself: the smaller one's time
-            # (the old guess) left no room for the new row's cost, and the chunk beside it
-            # ran over the SLO for its whole prompt (SmolLM2 int8, 15 ms SLO: 16-17 ms
-            # steps at 4 tokens, 2.2 ms a row).
+            # leaves no room for the new row's cost, and the chunk beside it would run
+            # over the SLO for its whole prompt.
             b = max(smaller)
             decode = min(self.decode_ms.get(want, math.inf), self.decode_ms[b] * want / b)
         else:
@@ -162,10 +170,10 @@ class StepBudget:
         if decode + self.prefill_fixed_ms + chunk <= self.slo_ms:
             return True
         # Only steps with prefill beside decodes update the fit, and a refusal here stops
-        # them: one noisy intercept (the least certain part of a fit over 4-8 token chunks)
-        # ran the server one sequence at a time until restart, 61 instead of 73-80 tok/s
-        # at C=32 in the same bench. So after SLO_REPROBE_STEPS steps without one, a
-        # sequence may start on the slope alone, and its chunks measure the line again.
+        # them: one noisy intercept (the least certain part of a fit over small chunks)
+        # would run the server one sequence at a time until restart. So after
+        # SLO_REPROBE_STEPS steps without one, a sequence may start on the slope alone,
+        # and its chunks measure the line again.
         if self.steps_since_mixed >= SLO_REPROBE_STEPS and decode + chunk <= self.slo_ms:
             self.steps_since_mixed = 0  # one probe per window
             return True

@@ -7,4 +7,5 @@ llama.py      the decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3)
 loader.py     safetensors (incl. sharded) -> model on a device/dtype
 tokenizer.py  `tokenizers`-based tokenizer with a jinja2 chat template
 tiny.py       random-weight tiny models + a locally trained BPE tokenizer
+native.py     builds and loads the C kernels (kernels/: attention, GEMV, tiles, row ops, fused step)
 """

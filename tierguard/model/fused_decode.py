@@ -1,10 +1,9 @@
-"""A decode-only step of the whole layer stack in one C call (decode_step.inc).
+"""A decode-only step of the whole layer stack in one C call (kernels/decode_step.c).
 
 Why: on the CPU a batch-1 step of a small model is dominated by per-op overhead, not by
-arithmetic. SmolLM2-135M in eager torch is ~450 ops per step (30 layers x norm, matmul,
-rope, attention, residual...): each op's dispatch, allocation and OpenMP fork/join cost
-about 23 ms of a 59 ms step here, while reading the weights once costs about 35 ms.
-`tg_decode_step` runs all layers in one OpenMP region with the same per-op kernels and
+arithmetic. In eager torch a step is hundreds of ops (every layer's norm, matmuls, rope,
+attention, residual...), and their dispatch, allocations and OpenMP fork/joins cost
+about as much as reading the weights once. `tg_decode_step` runs all layers in one OpenMP region with the same per-op kernels and
 five barriers per layer (each thread repeats the small row-wise ops on its own copy of
 the rows rather than wait at two more), so the step costs about the weight reads.
 
@@ -180,8 +179,9 @@ class FusedDecoder:
 
     def _watch(self, model: torch.nn.Module) -> None:
         """What `stale` compares: every module edge below the model and every tensor with
-        its address, recorded once (walking the module tree each step cost ~1.3 ms). The
-        tensors are held, so what the C side points at stays allocated."""
+        its address, recorded once (walking the module tree every step would cost a visible
+        share of a small model's step). The tensors are held, so what the C side points at
+        stays allocated."""
         self._edges = [(parent, name, child) for parent in model.modules() for name, child in parent._modules.items()]
         self._tensors = [
             (module, name, t, t.data_ptr())

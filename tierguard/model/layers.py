@@ -19,9 +19,9 @@ from tierguard.model import native
 class Linear(nn.Linear):
     """nn.Linear whose few-row float32 CPU matmul (a decode step) is the C GEMV.
 
-    Why: a batch-1 step reads every weight once; on SmolLM2's layer shapes torch's GEMV
-    read about 7 GB/s here and the C loop 14 GB/s (cpu_kernels.c, tg_gemv_f32), which
-    is most of a float32 step. Other shapes, dtypes and devices use F.linear.
+    Why: a batch-1 step reads every weight once, which is most of a float32 step, and on
+    small layer shapes torch's GEMV reads well below the memory bandwidth that the C loop
+    reaches (kernels/gemv.c, tg_gemv_f32). Other shapes, dtypes and devices use F.linear.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

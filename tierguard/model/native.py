@@ -1,15 +1,24 @@
-"""The CPU decode-attention kernel (cpu_kernels.c): built once, loaded with ctypes.
+"""tierguard's CPU kernels (kernels/*.c): built once, loaded with ctypes.
+
+The library holds every kernel family (kernels/tg_kernels.h describes them): decode
+attention over the paged KV pool, float32 / int8 / int4 GEMV and their register tiles,
+RMSNorm and SiLU x up, and the fused decode step of a whole layer stack
+(fused_decode.py drives it). This module builds it, declares each entry point's argument
+types and wraps the per-op ones for torch tensors.
 
 Why C and not torch: on CPU a decode step is too short for eager torch's per-op cost,
-and torch has no op that reads a paged KV pool in place (see cpu_kernels.c). The kernel
-is plain C (no torch headers), so building it takes about a second with the system
-compiler; the shared object is cached under `$TIERGUARD_CACHE/kernels/` keyed by the
-source, the flags and the compiler, and renamed into place atomically.
+and torch has no op that reads a paged KV pool in place. The kernels are plain C (no
+torch headers), so building them takes seconds with the system compiler; the shared
+object is cached under `$TIERGUARD_CACHE/kernels/` keyed by every source and header,
+the flags, the compiler and the CPU's flags, and renamed into place atomically. The
+files are compiled apart and, with GCC, linked with link-time optimisation, so the
+helpers one family takes from another inline as they would within one file.
 
-Without a compiler, or with `TIERGUARD_NATIVE=0`, `available()` is False and attention
-uses the torch path (attention.py), which computes the same result from a gathered copy.
-The kernel's OpenMP regions run on torch's own OpenMP runtime (the shared object's
-libgomp.so.1 resolves to the one torch already loaded), so both share one thread pool.
+Without a compiler, after a failed build, or with `TIERGUARD_NATIVE=0`, `available()` is
+False and every caller takes its torch path (attention.py, qlinear.py, layers.py), which
+computes the same result. The kernels' OpenMP regions run on torch's own OpenMP runtime
+(the shared object's libgomp.so.1 resolves to the one torch already loaded), so both
+share one thread pool.
 """
 
 from __future__ import annotations
@@ -28,20 +37,23 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
-# Files SOURCE #includes: part of the build key.
-INCLUDES = [Path(__file__).with_name("decode_step.inc")]
+KERNELS = Path(__file__).with_name("kernels")
+SOURCES = sorted(KERNELS.glob("*.c"))  # one translation unit per kernel family
+HEADERS = sorted(KERNELS.glob("*.h"))  # part of the build key
 # -ffast-math lets the compiler vectorize expf (glibc's libmvec) and the dot products'
-# reductions; the kernel uses no infinities or NaNs (scores start at -FLT_MAX). It is a
-# compile flag only: linked with it, GCC < 13 adds crtfastmath.o, whose constructor turns
-# on flush-to-zero for the whole process (Python floats included) when the library loads.
+# reductions; the kernels use no infinities or NaNs (scores start at -FLT_MAX). It is a
+# compile flag only (the link-time optimiser takes it from the objects): linked with it,
+# GCC < 13 adds crtfastmath.o, whose constructor turns on flush-to-zero for the whole
+# process (Python floats included) when the library loads.
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c99"]
-LINK_FLAGS = ["-shared", "-fopenmp"]
+LINK_FLAGS = ["-shared", "-fopenmp", "-O3", "-march=native", "-fPIC"]
+# GCC's link-time optimisation over the whole library as one unit, as if it were one file.
+LTO_FLAGS, LTO_LINK_FLAGS = ["-flto"], ["-flto", "-flto-partition=one"]
 ABI_VERSION = 9
 
 
 class DecodeArgs(ctypes.Structure):
-    """Mirror of tg_decode_args in cpu_kernels.c (same order and types)."""
+    """Mirror of tg_decode_args in kernels/tg_kernels.h (same order and types)."""
 
     _fields_ = [
         ("batch", ctypes.c_int32),
@@ -92,31 +104,39 @@ def _machine() -> str:
     return os.uname().machine
 
 
+def compiler_flags(version: str) -> tuple[list[str], list[str]]:
+    """(compile, link) flags for the compiler whose `--version` text this is: with LTO for
+    GCC; another compiler (clang needs a linker plugin for LTO) builds the same files
+    without it, correct but with the shared helpers called across files."""
+    if "clang" in version.lower():
+        return FLAGS, LINK_FLAGS
+    return FLAGS + LTO_FLAGS, LINK_FLAGS + LTO_LINK_FLAGS
+
+
 def build(cc: str) -> Path:
     """Compile (or reuse) the shared object; raises RuntimeError with the compiler's words."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    flags, link_flags = compiler_flags(version)
+    texts = [f"{f.name}\0{f.read_text()}" for f in (*SOURCES, *HEADERS)]
     key = hashlib.sha256(
-        "\0".join(
-            [SOURCE.read_text(), *(f.read_text() for f in INCLUDES), " ".join(FLAGS + LINK_FLAGS), version, _machine()]
-        ).encode()
+        "\0".join([*texts, " ".join(flags + link_flags), version, _machine()]).encode()
     ).hexdigest()[:16]
     target = _cache_dir() / f"tg_cpu_{key}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
-    os.close(fd)
-    obj = tmp[: -len(".so")] + ".o"
+    workdir = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
     try:
-        for cmd in ([cc, *FLAGS, "-c", str(SOURCE), "-o", obj], [cc, *LINK_FLAGS, obj, "-o", tmp, "-lm"]):
+        objs = [str(workdir / f"{src.stem}.o") for src in SOURCES]
+        tmp = str(workdir / "lib.so")
+        cmds = [[cc, *flags, "-c", str(src), "-o", obj] for src, obj in zip(SOURCES, objs, strict=True)]
+        for cmd in [*cmds, [cc, *link_flags, *objs, "-o", tmp, "-lm"]]:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
             if proc.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-400:]}")
         os.replace(tmp, target)
     finally:
-        for path in (tmp, obj):
-            if os.path.exists(path):
-                os.unlink(path)
+        shutil.rmtree(workdir, ignore_errors=True)
     return target
 
 
@@ -127,15 +147,15 @@ def library() -> ctypes.CDLL | None:
         return None
     cc = _compiler()
     if cc is None:
-        log.warning("no C compiler found: CPU decode attention uses the torch path (gathered copy)")
+        log.warning("no C compiler found: the CPU kernels are off (torch paths)")
         return None
     try:
         lib = ctypes.CDLL(str(build(cc)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("CPU decode kernel unavailable (%s): using the torch path", exc)
+        log.warning("CPU kernels unavailable (%s): using the torch paths", exc)
         return None
     if lib.tg_abi_version() != ABI_VERSION:
-        log.warning("CPU decode kernel has another ABI version: using the torch path")
+        log.warning("CPU kernels have another ABI version: using the torch paths")
         return None
     lib.tg_decode_attention_f32.argtypes = [ctypes.POINTER(DecodeArgs)]
     lib.tg_decode_attention_f32.restype = ctypes.c_int
@@ -236,7 +256,7 @@ class DecodeCall:
 
 
 # -- weight-only int8 / int4 matmuls (tierguard/model/qlinear.py holds the layouts) ------
-MAX_GEMV_ROWS = 8  # TG_MAX_M in cpu_kernels.c
+MAX_GEMV_ROWS = 8  # TG_MAX_M in kernels/tg_kernels.h
 MAX_QUANT_GEMV_ROWS = 64  # TG_MAX_BATCH: int8/int4 rows in chunks of 8, each weight block read once
 
 

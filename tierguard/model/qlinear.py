@@ -14,18 +14,19 @@ the memory bandwidth. int8 cuts the float32 bytes ~4x, int4 ~6x (scales included
           blocks load unchanged (scale = d, lo = m) and Q4_0 ones too (scale = d, lo = -8 d)
 
 The matmul never dequantizes the whole weight for a decode step. On the CPU, up to
-`gemv_rows` (64) activation rows go to the C kernels (cpu_kernels.c: each weight
+`gemv_rows` (64) activation rows go to the C kernels (kernels/gemv.c: each weight
 byte read once, widened in registers, float32 activations and sums), which are bound by
 memory bandwidth (from 13 int8 rows or 9 int4 rows, each block of 16 weight rows is
-widened to float32 once, in L2, for all the row chunks); more rows (prefill, large batches) dequantize `BLOCK_ROWS` output rows
-at a time into a small float32 buffer that torch's GEMM multiplies while it is in cache.
-Without the kernels (no compiler; CUDA) the same blocks are dequantized in plain torch.
-(torch's `aten._weight_int8pack_mm` takes one scale per output channel only: per-channel
-int8 re-quantizing SmolLM2's Q8_0/Q4_1 values left greedy agreement with float32 at 0.956.)
+widened to float32 once, in L2, for all the row chunks); more rows (prefill, large
+batches) dequantize `BLOCK_ROWS` output rows at a time into a small float32 buffer that
+torch's GEMM multiplies while it is in cache. Without the kernels (no compiler; CUDA)
+the same blocks are dequantized in plain torch. (torch's `aten._weight_int8pack_mm`
+takes one scale per output channel only: re-quantizing a GGUF model's group-wise values
+per channel loses agreement with float32.)
 
-torch's `_weight_int4pack_mm_for_cpu` was measured and not used: on this AVX2 CPU it is
-compute-bound (bfloat16 only; its float32 path is a scalar loop), 2x slower per step
-than the kernel here, and its tiled layout hides rows from the embedding lookup.
+torch's `_weight_int4pack_mm_for_cpu` is not used: on a CPU without AMX it is
+compute-bound (bfloat16 only; its float32 path is a scalar loop), slower per step than
+the C kernel, and its tiled layout hides rows from the embedding lookup.
 
 A tied embedding is one quantized matrix: the lm_head matmul uses it as a linear layer
 and the token lookup dequantizes only the rows it needs (`rows`).
@@ -78,10 +79,10 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Each group's scale is the one of the float16 values absmax / (127 - j), j < 32, whose
     rounded q has the least squared error (j = 0 is Q8_0's plain absmax / 127), and q is
-    rounded against that stored float16 scale. Why: SmolLM2's linear layers are Q4_1
-    values; absmax / 127 alone left greedy agreement with float32 at 0.9785 (target
-    0.98), the search 0.994 (bench/weight_quant_quality.py). The C kernel searches in
-    about a second for SmolLM2; the torch fallback computes the same, slowly."""
+    rounded against that stored float16 scale. Why: a Q4_1 model's values re-quantized
+    with absmax / 127 alone fall short of the greedy agreement with float32 that int8
+    should keep, and the search closes most of that gap (bench/weight_quant_quality.py).
+    The C kernel searches in seconds; the torch fallback computes the same, slowly."""
     w = w.detach().float().cpu().contiguous()
     n, k = w.shape
     ng, pad = int8_groups(k), int8_groups(k) * INT8_GROUP - k
@@ -132,9 +133,8 @@ class QuantLinear(nn.Module):
     """Common part: shapes, optional float bias, the many-rows path, byte count."""
 
     # Rows up to which the C GEMV (8 rows at a time over each cached weight block) is used
-    # instead of dequantize-then-GEMM: the whole fused step's limit. SmolLM2, 2 cores,
-    # 32 decodes (`python -m tierguard.engine.speed --batch 32 --weight-dtype int8|int4`,
-    # all 32 decoding): int8 252 tok/s, int4 207, float32 weights 168.
+    # instead of dequantize-then-GEMM: the whole fused step's limit. Up to it, a batch of
+    # quantized decodes outruns float32 weights (`python -m tierguard.engine.speed`).
     gemv_rows = native.MAX_QUANT_GEMV_ROWS
 
     in_features: int

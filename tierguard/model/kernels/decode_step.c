@@ -1,8 +1,8 @@
 /* A whole decode step of a Llama layer stack, float32 activations, in one call.
- * Included by cpu_kernels.c (it uses that file's GEMV rows, `attend` and `store_heads`);
- * driven by tierguard/model/fused_decode.py.
+ * Built from the other families (the GEMV rows and tiles, `attend` and `store_heads`, the
+ * row-wise ops); driven by tierguard/model/fused_decode.py.
  *
- * Why: with eager torch a batch-1 step of SmolLM2 (30 layers) is ~450 small ops; their
+ * Why: with eager torch a small model's decode step is hundreds of small ops; their
  * dispatch, the allocations and the OpenMP fork/joins cost about as much as reading the
  * weights. Here the layers run inside one OpenMP parallel region: the threads split
  * each matmul's output rows and the attention's (sequence, KV head) units, and meet at
@@ -15,6 +15,7 @@
  *   x += att Wo^T; h = rmsnorm(x)
  *   x += silu_mul(h Wgu^T) Wdown^T; h = rmsnorm(x) with the next layer's (or the final) norm
  */
+#include "tg_kernels.h"
 
 enum { TG_LIN_F32 = 0, TG_LIN_INT8 = 1, TG_LIN_INT4 = 2 };
 
@@ -230,3 +231,5 @@ int tg_decode_step(const tg_step_args *s) {
     }
     return 0;
 }
+
+int tg_abi_version(void) { return 9; }

@@ -1,0 +1,273 @@
+/* Decode attention over the paged KV pool, read in place (CPU, float32).
+ *
+ * Without the kernel the engine uses the torch path in attention.py, which computes the
+ * same thing from a gathered copy of the blocks.
+ *
+ * Why: a torch decode step gathers each sequence's blocks into a contiguous copy per
+ * layer (read + write + read of the whole context) and spends a dozen small ops per
+ * layer on it. Here one call per layer writes the new token's K/V into its slot and
+ * attends over the context through the block table: every K and V row is read once,
+ * where it is.
+ *
+ * Pool layout (tierguard/kv/spec.py, blocks first), one layer's view:
+ *   element (block, kv_or_v, slot, head, d) at
+ *   pool[block * blk_stride + kv_or_v * v_offset + slot * heads_kv * D + head * D + d]
+ */
+#include "tg_kernels.h"
+
+/* Sequence b's new K and V rows of KV heads [h0, h1) into its slot of the pool. */
+void store_heads(const tg_decode_args *a, int b, int h0, int h1) {
+    const int D = a->head_dim, bs = a->block_size;
+    const int32_t slot = a->ctx[b] - 1;
+    const int32_t *table = a->tables + (int64_t)a->rows[b] * a->table_stride;
+    float *dst = a->pool + (int64_t)table[slot / bs] * a->blk_stride + (int64_t)(slot % bs) * a->kv_heads * D;
+    const int64_t off = (int64_t)h0 * D, n = (int64_t)(h1 - h0) * D;
+    memcpy(dst + off, a->k_new + b * a->k_stride + off, sizeof(float) * n);
+    memcpy(dst + a->v_offset + off, a->v_new + b * a->v_stride + off, sizeof(float) * n);
+}
+
+static void store_new(const tg_decode_args *a) {
+    for (int b = 0; b < a->batch; b++) store_heads(a, b, 0, a->kv_heads);
+}
+
+/* Four horizontal sums at once: out[j] = sum of a_j's lanes. Three hadds and one add
+ * instead of four separate reductions (each ~6 shuffles and adds on the critical path). */
+static inline void hsum8x4(v8 a0, v8 a1, v8 a2, v8 a3, float *out) {
+#if defined(__AVX__)
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps((__m256)a0, (__m256)a1), _mm256_hadd_ps((__m256)a2, (__m256)a3));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+#else
+    out[0] = hsum8(a0), out[1] = hsum8(a1), out[2] = hsum8(a2), out[3] = hsum8(a3);
+#endif
+}
+
+/* q . k over D floats (D a multiple of 8) for four K rows: each q vector loaded once
+ * feeds four FMAs. */
+static inline void dot4(const float *q, const float *k0, const float *k1, const float *k2, const float *k3, int D,
+                        float *out) {
+    v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    for (int d = 0; d < D; d += 8) {
+        const v8 qv = *(const v8 *)(q + d);
+        a0 += qv * *(const v8 *)(k0 + d);
+        a1 += qv * *(const v8 *)(k1 + d);
+        a2 += qv * *(const v8 *)(k2 + d);
+        a3 += qv * *(const v8 *)(k3 + d);
+    }
+    hsum8x4(a0, a1, a2, a3, out);
+}
+
+static inline float dot1(const float *q, const float *k, int D) {
+    float s = 0.f;
+    if (D % 8 == 0) {
+        v8 a = {0};
+        for (int d = 0; d < D; d += 8) a += *(const v8 *)(q + d) * *(const v8 *)(k + d);
+        return hsum8(a);
+    }
+    for (int d = 0; d < D; d++) s += q[d] * k[d];
+    return s;
+}
+
+/* For nh (<= TG_PV_HEADS) query heads sharing a KV head: o_h[0 .. 8) += sum over the
+ * block's n slots of p_h[s] * v_s[0 .. 8). Each V vector is loaded once for all nh heads
+ * and the accumulators stay in registers for the whole block. Specialised on nh by the
+ * switch in pv_heads so the loop over heads unrolls. */
+#define TG_PV_HEADS 8
+static inline __attribute__((always_inline)) void pv8(const float *p, int64_t ps, const float *v, int64_t row, int n,
+                                                      const int nh, v8 *o) {
+    v8 acc[TG_PV_HEADS];
+    for (int h = 0; h < nh; h++) acc[h] = o[h];
+    for (int s = 0; s < n; s++, v += row) {
+        const v8 vv = *(const v8 *)v;
+        for (int h = 0; h < nh; h++) acc[h] += p[h * ps + s] * vv;
+    }
+    for (int h = 0; h < nh; h++) o[h] = acc[h];
+}
+
+static void pv_heads(const float *p, int64_t ps, const float *v, int64_t row, int n, int nh, v8 *o) {
+    switch (nh) {
+    case 1: pv8(p, ps, v, row, n, 1, o); break;
+    case 2: pv8(p, ps, v, row, n, 2, o); break;
+    case 3: pv8(p, ps, v, row, n, 3, o); break;
+    case 4: pv8(p, ps, v, row, n, 4, o); break;
+    case 5: pv8(p, ps, v, row, n, 5, o); break;
+    case 6: pv8(p, ps, v, row, n, 6, o); break;
+    case 7: pv8(p, ps, v, row, n, 7, o); break;
+    default: pv8(p, ps, v, row, n, 8, o); break;
+    }
+}
+
+/* attend() for a unit of several KV heads (a whole sequence, when there are at least as
+ * many sequences as threads). Slot-major: each slot's K (then V) row of these heads is
+ * read once, contiguously, for all of their query heads: with long contexts the unit is
+ * bound by memory, and one contiguous stream is faster than per-KV-head passes like
+ * attend()'s (strided reads of a part of each row). Head dims that are multiples of 8
+ * (all the models we run) take the vector path; others the scalar loops. */
+static void attend_slots(const tg_decode_args *a, int b, int h0, int h1) {
+    const int KV = a->kv_heads, D = a->head_dim, bs = a->block_size;
+    const int G = a->heads / KV, NQ = (h1 - h0) * G; /* query heads handled here */
+    const int L = a->ctx[b];
+    const int64_t row = (int64_t)KV * D;
+    const int32_t *table = a->tables + (int64_t)a->rows[b] * a->table_stride;
+    const float *qsrc = a->q + (int64_t)b * a->q_stride + (int64_t)h0 * G * D;
+    float *scores = a->work + ((int64_t)b * a->heads + (int64_t)h0 * G) * a->work_stride;
+    float q[NQ * D], acc[NQ * D], mx[NQ], sum[NQ];
+    for (int i = 0; i < NQ * D; i++) {
+        q[i] = qsrc[i] * a->scale;
+        acc[i] = 0.f;
+    }
+    for (int i = 0; i < NQ; i++) mx[i] = -FLT_MAX; /* finite: built with -ffast-math */
+    const int vec = D % 8 == 0;
+    for (int j0 = 0; j0 < L; j0 += bs) {
+        const float *base = a->pool + (int64_t)table[j0 / bs] * a->blk_stride + (int64_t)h0 * D;
+        const int n = L - j0 < bs ? L - j0 : bs;
+        for (int s = 0; s < n; s++) {
+            const float *krow = base + s * row;
+            for (int i = 0; i < NQ; i++) {
+                const float *k = krow + (i / G) * D, *qi = q + i * D;
+                float dot;
+                if (vec) {
+                    v8 x0 = {0}, x1 = {0};
+                    int d = 0;
+                    for (; d + 16 <= D; d += 16) {
+                        x0 += *(const v8 *)(qi + d) * *(const v8 *)(k + d);
+                        x1 += *(const v8 *)(qi + d + 8) * *(const v8 *)(k + d + 8);
+                    }
+                    if (d < D) x0 += *(const v8 *)(qi + d) * *(const v8 *)(k + d);
+                    dot = hsum8(x0 + x1);
+                } else {
+                    dot = 0.f;
+                    for (int d = 0; d < D; d++) dot += qi[d] * k[d];
+                }
+                scores[(int64_t)i * a->work_stride + j0 + s] = dot;
+                if (dot > mx[i]) mx[i] = dot;
+            }
+        }
+    }
+    for (int i = 0; i < NQ; i++) {
+        float *si = scores + (int64_t)i * a->work_stride;
+        float s = 0.f;
+        const float m = mx[i];
+#pragma omp simd reduction(+ : s)
+        for (int j = 0; j < L; j++) {
+            si[j] = expf(si[j] - m);
+            s += si[j];
+        }
+        sum[i] = s;
+    }
+    for (int j0 = 0; j0 < L; j0 += bs) {
+        const float *base =
+            a->pool + (int64_t)table[j0 / bs] * a->blk_stride + a->v_offset + (int64_t)h0 * D;
+        const int n = L - j0 < bs ? L - j0 : bs;
+        for (int s = 0; s < n; s++) {
+            const float *vrow = base + s * row;
+            for (int i = 0; i < NQ; i++) {
+                const float p = scores[(int64_t)i * a->work_stride + j0 + s];
+                const float *v = vrow + (i / G) * D;
+                float *o = acc + i * D;
+                if (vec) {
+                    for (int d = 0; d < D; d += 8) *(v8 *)(o + d) += p * *(const v8 *)(v + d);
+                } else {
+                    for (int d = 0; d < D; d++) o[d] += p * v[d];
+                }
+            }
+        }
+    }
+    for (int i = 0; i < NQ; i++) {
+        float *o = a->out + ((int64_t)b * a->heads + (int64_t)h0 * G + i) * D;
+        const float inv = 1.f / sum[i];
+        for (int d = 0; d < D; d++) o[d] = acc[i * D + d] * inv;
+    }
+}
+
+/* One sequence, KV heads [h0, h1) with their G = heads / kv_heads query heads each.
+ * A unit of one KV head (fewer sequences than threads: a batch-1 decode; the rows of a
+ * step with prefill chunks) is computed here, several heads by attend_slots. Each K and
+ * V row of the head comes from memory once for all G query heads: scores four slots at
+ * a time (the four K rows stay in L1 while each query head takes its dot products), a
+ * softmax per query head, then the V rows weighted into accumulators held in registers,
+ * 8 dims x up to TG_PV_HEADS heads per pass. Why: a slot-at-a-time loop spends more on
+ * horizontal sums and on reloading the output rows than on the multiply-adds. Head dims
+ * that are multiples of 8 (all the models we run) take the vector path; others scalar
+ * loops. */
+void attend(const tg_decode_args *a, int b, int h0, int h1) {
+    if (h1 - h0 > 1) {
+        attend_slots(a, b, h0, h1);
+        return;
+    }
+    const int KV = a->kv_heads, D = a->head_dim, bs = a->block_size;
+    const int G = a->heads / KV; /* the query heads of KV head h0 */
+    const int L = a->ctx[b];
+    const int64_t row = (int64_t)KV * D, ws = a->work_stride, head_off = (int64_t)h0 * D;
+    const int32_t *table = a->tables + (int64_t)a->rows[b] * a->table_stride;
+    const float *qsrc = a->q + (int64_t)b * a->q_stride + (int64_t)h0 * G * D;
+    float *scores = a->work + ((int64_t)b * a->heads + (int64_t)h0 * G) * ws;
+    float *o = a->out + ((int64_t)b * a->heads + (int64_t)h0 * G) * D;
+    float q[G * D], inv[G];
+    for (int i = 0; i < G * D; i++) q[i] = qsrc[i] * a->scale;
+    const int vec = D % 8 == 0;
+    for (int j0 = 0; j0 < L; j0 += bs) {
+        const float *k = a->pool + (int64_t)table[j0 / bs] * a->blk_stride + head_off;
+        const int n = L - j0 < bs ? L - j0 : bs;
+        int s = 0;
+        if (vec)
+            for (; s + 4 <= n; s += 4, k += 4 * row)
+                for (int g = 0; g < G; g++)
+                    dot4(q + g * D, k, k + row, k + 2 * row, k + 3 * row, D, scores + g * ws + j0 + s);
+        for (; s < n; s++, k += row)
+            for (int g = 0; g < G; g++) scores[g * ws + j0 + s] = dot1(q + g * D, k, D);
+    }
+    for (int g = 0; g < G; g++) {
+        float *si = scores + g * ws;
+        float m = -FLT_MAX, sum = 0.f; /* finite: built with -ffast-math */
+        for (int j = 0; j < L; j++) m = si[j] > m ? si[j] : m;
+#pragma omp simd reduction(+ : sum)
+        for (int j = 0; j < L; j++) {
+            si[j] = expf(si[j] - m);
+            sum += si[j];
+        }
+        inv[g] = 1.f / sum;
+    }
+    if (vec) {
+        for (int g0 = 0; g0 < G; g0 += TG_PV_HEADS) {
+            const int nh = G - g0 < TG_PV_HEADS ? G - g0 : TG_PV_HEADS;
+            for (int d0 = 0; d0 < D; d0 += 8) {
+                v8 acc[TG_PV_HEADS] = {{0}};
+                for (int j0 = 0; j0 < L; j0 += bs) {
+                    const float *v = a->pool + (int64_t)table[j0 / bs] * a->blk_stride + a->v_offset + head_off + d0;
+                    pv_heads(scores + g0 * ws + j0, ws, v, row, L - j0 < bs ? L - j0 : bs, nh, acc);
+                }
+                for (int h = 0; h < nh; h++) *(v8 *)(o + (int64_t)(g0 + h) * D + d0) = acc[h] * inv[g0 + h];
+            }
+        }
+        return;
+    }
+    for (int i = 0; i < G * D; i++) o[i] = 0.f; /* scalar: rare head sizes only */
+    for (int j0 = 0; j0 < L; j0 += bs) {
+        const float *v = a->pool + (int64_t)table[j0 / bs] * a->blk_stride + a->v_offset + head_off;
+        const int n = L - j0 < bs ? L - j0 : bs;
+        for (int s = 0; s < n; s++, v += row)
+            for (int g = 0; g < G; g++)
+                for (int d = 0; d < D; d++) o[g * D + d] += scores[g * ws + j0 + s] * v[d];
+    }
+    for (int g = 0; g < G; g++)
+        for (int d = 0; d < D; d++) o[g * D + d] *= inv[g];
+}
+
+/* Returns 0, or -1 when the queries (heads x head_dim floats) would not fit the stack
+ * buffers' budget. With at least as many sequences as threads each thread takes whole
+ * sequences (all heads: one pass over each slot); with fewer, KV heads are split over
+ * the threads. */
+int tg_decode_attention_f32(const tg_decode_args *a) {
+    if ((int64_t)a->heads * a->head_dim > 16384) return -1;
+    store_new(a);
+    const int KV = a->kv_heads;
+    if (a->batch >= omp_get_max_threads()) {
+#pragma omp parallel for schedule(dynamic, 1)
+        for (int b = 0; b < a->batch; b++) attend(a, b, 0, KV);
+    } else {
+        const int n = a->batch * KV;
+#pragma omp parallel for schedule(dynamic, 1) if (n > 1)
+        for (int i = 0; i < n; i++) attend(a, i / KV, i % KV, i % KV + 1);
+    }
+    return 0;
+}
