@@ -10,6 +10,7 @@ printed for it.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -20,8 +21,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
-import vllm_peer  # noqa: E402
+_spec = importlib.util.spec_from_file_location("vllm_peer", ROOT / "bench" / "vllm_peer.py")
+vllm_peer = importlib.util.module_from_spec(_spec)
+sys.modules["vllm_peer"] = vllm_peer
+_spec.loader.exec_module(vllm_peer)
 
 KV_GIB = 1
 MAX_MODEL_LEN = 2048

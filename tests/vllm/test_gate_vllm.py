@@ -152,12 +152,13 @@ def test_a_replica_killed_mid_flood_loses_only_the_streams_it_cut(replicas, tmp_
                 url = gate.url + "/v1/completions"
                 body = {"model": "llm", "prompt": "Write about water pumps.", "max_tokens": 64, "stream": True,
                         "ignore_eos": True, "temperature": 0}
+                before = vllm_peer.counter(victim.server.metrics(), "vllm:generation_tokens_total")
                 first = [asyncio.create_task(_one(s, url, body)) for _ in range(8)]
                 await asyncio.sleep(0)
                 # kill once streams are flowing on the victim, while more requests keep arriving
                 for _ in range(600):
                     await asyncio.sleep(0.05)
-                    if vllm_peer.counter(victim.server.metrics(), "vllm:generation_tokens_total") >= 8:
+                    if vllm_peer.counter(victim.server.metrics(), "vllm:generation_tokens_total") >= before + 8:
                         break
                 victim.server.kill()
                 later = [asyncio.create_task(_one(s, url, body)) for _ in range(8)]
@@ -173,6 +174,6 @@ def test_a_replica_killed_mid_flood_loses_only_the_streams_it_cut(replicas, tmp_
     assert not lost, lost
     assert cut, "the kill cut no stream: it came too late to test anything"
     assert all(r["errors"] == 1 and r["content"] > 0 and r["replica"] == "1" for r in cut), cut
-    assert all(r["content"] == 64 and r["errors"] == 0 for r in whole), whole
+    assert all(r["content"] >= 64 and r["errors"] == 0 for r in whole), whole
     assert all(r["replica"] == "0" for r in results[8:] if r in whole)  # after the kill: only the survivor
     assert healthy == 0
