@@ -76,7 +76,14 @@ def run_tierguard(url: str, model_dir: Path, a, out: Path) -> dict:
     summary = out / "summary.json"
     if not summary.is_file():
         raise RuntimeError(f"tierguard bench wrote no summary: {proc.stderr[-800:]}")
-    return {"command": cmd, **json.loads(summary.read_text())}
+    chunks = tokens = 0
+    for line in (out / "requests.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("status") == "ok":
+            chunks += len(rec.get("chunk_tokens") or [])
+            tokens += sum(rec.get("chunk_tokens") or [])
+    return {"command": cmd, "tokens_per_chunk": round(tokens / chunks, 3) if chunks else None,
+            **json.loads(summary.read_text())}
 
 
 def run_vllm_bench(url: str, model_dir: Path, a, out: Path) -> dict:
@@ -88,13 +95,17 @@ def run_vllm_bench(url: str, model_dir: Path, a, out: Path) -> dict:
            "--max-concurrency", str(a.max_concurrency), "--request-rate", "inf", "--ignore-eos",
            "--temperature", "0", "--seed", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
            "--metric-percentiles", "50,90,99", "--save-result", "--result-dir", str(out),
-           "--result-filename", "vllm.json", "--disable-tqdm"]
+           "--result-filename", "vllm.json", "--save-detailed", "--disable-tqdm"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     result = out / "vllm.json"
     if not result.is_file():
         raise RuntimeError(f"vllm bench serve wrote no result: {proc.stdout[-800:]} {proc.stderr[-800:]}")
     data = json.loads(result.read_text())
     data["median_itl_ms"] = data.get("median_itl_ms", data.get("p50_itl_ms"))
+    itls = data.pop("itls", None) or []
+    data["itl_samples"] = sum(len(x) for x in itls)  # one per chunk after the first
+    for k in ("ttfts", "generated_texts", "errors", "input_lens", "output_lens", "start_times"):
+        data.pop(k, None)
     return {"command": ["python -m vllm.benchmarks.serve (as `vllm bench serve`)", *cmd[3:]], **data}
 
 
@@ -105,7 +116,7 @@ def compare(tg: dict, vb: dict) -> tuple[list[dict], list[str], Validity]:
     v.require(vb.get("completed", 0) > 0 and not vb.get("failed"), f"vllm bench serve: {vb.get('failed')} failed")
     v.require(tg.get("prompt_lengths") == "exact", "tierguard bench counted prompt lengths only approximately")
     notes = []
-    chunks = tg.get("mean_tokens_per_chunk") or tg.get("tokens_per_chunk")
+    chunks = tg.get("tokens_per_chunk")
     notes.append(
         "ITL: vllm bench serve records one gap per SSE chunk, tierguard bench one per token (a k-token chunk "
         f"gives k gaps of gap/k); here {chunks if chunks is not None else 'n/a'} tokens per chunk on average, so "

@@ -322,7 +322,7 @@ def reference_texts(model_dir: Path, prompts: list[str], n_tokens: int) -> list[
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     out = []
     with torch.inference_mode():
         for p in prompts:

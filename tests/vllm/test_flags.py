@@ -19,7 +19,7 @@ from tierguard.plan.inputs import PlanInputs
 from tierguard.plan.planner import make_plan
 from tierguard.plan.reserves import BANDS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]  # vLLM start-ups take minutes on a busy machine
 
 GPU_CASES = [
     dict(model="Qwen/Qwen3-8B", gpu="L4", contexts=[32768], concurrency=4, offload="both", kv_offload_gib=64,

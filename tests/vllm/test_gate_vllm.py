@@ -19,7 +19,7 @@ from tests.gate.helpers import GateProcess, get_json, metric, run
 from tests.vllm.conftest import vllm_peer
 from tierguard.gate.upstreams import queue_depth
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]  # vLLM start-ups take minutes on a busy machine
 
 # The names tierguard reads from a vLLM's /metrics (docs/vllm.md, "Metrics tierguard reads").
 READ = {

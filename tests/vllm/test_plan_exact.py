@@ -19,7 +19,7 @@ import pytest
 from tests.vllm.conftest import ROOT, plan_json, vllm_peer
 from tierguard.cli.main import main as tierguard_main
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]  # vLLM start-ups take minutes on a busy machine
 
 
 def _check(plan: dict, logged: dict | None) -> None:

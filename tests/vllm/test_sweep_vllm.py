@@ -18,7 +18,7 @@ from tierguard.report import write_report
 from tierguard.sweep.matrix import parse_matrix
 from tierguard.sweep.runner import Sweep
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]  # vLLM start-ups take minutes on a busy machine
 
 
 def test_short_sweep_of_the_vllm_cpu_example(vllm_venv, smollm2_dir, tmp_path, monkeypatch):
@@ -28,6 +28,7 @@ def test_short_sweep_of_the_vllm_cpu_example(vllm_venv, smollm2_dir, tmp_path, m
     doc["slices"] = {"ladder": [1, 4], "bisect": False}
     doc["profile"].update(num_requests=4, min_rounds=1, output_len=32)
     doc["uncertainty"] = {"bootstrap": 0}
+    doc["slo"] = {"p99_ttft_ms": 600_000, "p99_itl_ms": 600_000}  # functional: every step of the ladder runs
     run_dir = tmp_path / "run"
     events = []
     out = Sweep(parse_matrix(doc), run_dir, on_event=lambda kind, **kw: events.append(kind)).run()
