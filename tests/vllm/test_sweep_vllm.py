@@ -36,7 +36,7 @@ def test_short_sweep_of_the_vllm_cpu_example(vllm_venv, smollm2_dir, tmp_path, m
     for name in ("vllm-f32-small-kv", "tierguard-f32"):
         v = out["variants"][name]
         assert v["status"] == "done", v
-        assert v["contexts"]["512"] is not None, v
+        assert v["contexts"]["384"] is not None, v
     engine = json.loads((run_dir / "vllm-f32-small-kv" / "engine.json").read_text())
     assert engine["version"] == {"version": "0.32.0"} and engine["models"] == ["llm"]
     assert engine["warmup"]["ok"] == engine["warmup"]["sent"] > 0
@@ -46,7 +46,7 @@ def test_short_sweep_of_the_vllm_cpu_example(vllm_venv, smollm2_dir, tmp_path, m
     logged = vllm_peer.parse_kv_line((run_dir / "vllm-f32-small-kv" / "engine.log").read_text())
     plan = plan_json(smollm2_dir, "--kv-cache-gib", "0.076904296875", "--dtype", "float32", "--max-model-len", "1024")
     assert logged["line"] == plan["vllm_cpu"]["log_line"]
-    prom = run_dir / "vllm-f32-small-kv" / "ladder-ctx512-c4" / "metrics.prom"
+    prom = run_dir / "vllm-f32-small-kv" / "ladder-ctx384-c4" / "metrics.prom"
     assert vllm_peer.counter(prom.read_text(), "vllm:num_preemptions_total") > 0
 
     text = write_report(run_dir).html.read_text()
