@@ -48,7 +48,8 @@ def test_short_sweep_of_the_vllm_cpu_example(vllm_venv, smollm2_dir, tmp_path, m
 
     # the pool the example asks for is the one plan predicts, and it is small enough to preempt
     logged = vllm_peer.parse_kv_line((run_dir / "vllm-f32-small-kv" / "engine.log").read_text())
-    plan = plan_json(smollm2_dir, "--kv-cache-gib", "0.076904296875", "--dtype", "float32", "--max-model-len", "1024")
+    plan = plan_json(smollm2_dir, "--kv-cache-gib", "0.075531005859375", "--dtype", "float32", "--max-model-len", "1024",
+                     "--block-size", "32")
     assert logged["line"] == plan["vllm_cpu"]["log_line"]
     prom = run_dir / "vllm-f32-small-kv" / "ladder-ctx384-c4" / "metrics.prom"
     assert vllm_peer.counter(prom.read_text(), "vllm:num_preemptions_total") > 0
