@@ -30,7 +30,7 @@ def test_short_sweep_of_the_vllm_cpu_example(vllm_venv, smollm2_dir, tmp_path, m
     for v in doc["variants"]:
         v["start_timeout_s"] = 1500
     doc["slices"] = {"ladder": [1, 4], "bisect": False}
-    doc["profile"].update(num_requests=4, min_rounds=1, output_len=32)
+    doc["profile"].update(num_requests=4, min_rounds=1, output_len=48)  # 432 tokens: 14 blocks of 32
     doc["uncertainty"] = {"bootstrap": 0}
     doc["slo"] = {"p99_ttft_ms": 600_000, "p99_itl_ms": 600_000}  # functional: every step of the ladder runs
     run_dir = tmp_path / "run"
