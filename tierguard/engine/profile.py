@@ -19,7 +19,7 @@ on exit everything is put back. The parts do not overlap, so their times add up:
     sample    the sampler; detok: appending tokens, detokenizing, stop checks
     schedule  the scheduler; engine_rest: the rest of LLMEngine.step
 
-The HTTP path is not in an engine step: `bench/serve_vs_llamacpp.py` measures it as the
+The HTTP path is not in an engine step: `bench/serve_vs_peers.py` measures it as the
 client's inter-token gap minus the step time.
 """
 

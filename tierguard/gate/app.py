@@ -1,7 +1,8 @@
 """The gate's aiohttp application and its server loop.
 
 Routes: POST /v1/completions, /v1/chat/completions (and /v1/async/... for jobs),
-GET /v1/async/{id}, /v1/models, /health, /metrics. The application is built without
+POST /tokenize, /detokenize (passed to a replica: clients count tokens exactly through the
+gate), GET /v1/async/{id}, /v1/models, /health, /metrics. The application is built without
 starting a server so tests can mount it on an ephemeral port.
 """
 
@@ -16,9 +17,9 @@ import aiohttp
 from aiohttp import web
 
 from tierguard.common.peer_conn import guarded_runner
-from tierguard.common.peers import PeerGuard, expect_json
+from tierguard.common.peers import BodyError, PeerGuard, expect_json
 from tierguard.gate.forward import UpstreamError
-from tierguard.gate.http import auth_middleware, error_response, json_errors_middleware, tenant
+from tierguard.gate.http import auth_middleware, error_response, json_errors_middleware, read_json, tenant
 from tierguard.gate.policy import GateSettings
 from tierguard.gate.proxy import completions
 from tierguard.gate.reqlog import RequestRecord
@@ -50,6 +51,26 @@ async def models(request: web.Request) -> web.Response:
     except (aiohttp.ClientError, TimeoutError) as exc:
         err = UpstreamError(502, "unreachable", f"upstream /v1/models failed: {type(exc).__name__}")
         return error_response(err.status, err.message, etype="upstream_error")
+
+
+async def token_route(request: web.Request) -> web.Response:
+    """/tokenize and /detokenize, answered by the least loaded healthy replica (one model for
+    the fleet, so any replica counts the same). Admission does not apply: no generation."""
+    state = request.app[GATE]
+    try:
+        body = await read_json(request, state.guard, state.max_body_bytes)
+    except BodyError as exc:  # 400 / 408 / 413
+        resp = error_response(exc.status, exc.message)
+        if exc.status != 400:
+            resp.force_close()  # the rest of the body was not read: the connection cannot be reused
+        return resp
+    u = state.fleet.any_replica().upstream
+    try:
+        async with asyncio.timeout(state.settings.first_byte_timeout_s):
+            async with state.session.post(u.base_url + request.path, json=body, headers=u.headers) as resp:
+                return web.Response(body=await resp.read(), status=resp.status, content_type="application/json")
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        return error_response(502, f"upstream {request.path} failed: {type(exc).__name__}", etype="upstream_error")
 
 
 async def _probe(state: GateState, u) -> dict:
@@ -125,6 +146,8 @@ def build_app(settings: GateSettings) -> web.Application:
     # expect_json: an unknown `Expect:` gets a JSON 417 too (aiohttp answers it before any middleware)
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/async/completions", "/v1/async/chat/completions"):
         app.router.add_post(path, completions, expect_handler=expect_json)
+    for path in ("/tokenize", "/detokenize"):
+        app.router.add_post(path, token_route, expect_handler=expect_json)
     for path, handler in (("/v1/async/{job_id}", job_status), ("/v1/models", models), ("/health", health),
                           ("/metrics", metrics)):
         app.router.add_get(path, handler, expect_handler=expect_json)

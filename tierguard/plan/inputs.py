@@ -26,7 +26,7 @@ class PlanInputs:
     engine: str | None = None  # None: vllm, or tierguard with target "cpu"
     kv_dtype: str = "auto"
     weights_dtype: str = "auto"
-    block_size: int = 16
+    block_size: int | None = None  # None: the engine's default (16; vLLM on CPU: 128)
     gpu_memory_utilization: float = 0.9
     # None: the engine's default (vLLM: by version and GPU, plan/reserves.py; others 8192 / 256).
     max_num_batched_tokens: int | None = None
@@ -50,6 +50,7 @@ class PlanInputs:
     engine_version: str | None = None  # vLLM version whose rules to mirror; None = newest
     target: str = "gpu"  # "cpu": plan `tierguard serve` in this machine's RAM
     reserve_fit: Any = None  # fitted Reserves to use instead of the shipped fit (leave-one-out)
+    kv_cache_gib: float | None = None  # --engine vllm --target cpu: VLLM_CPU_KVCACHE_SPACE
 
 
 def _positive_int(value: Any, what: str) -> int:
@@ -79,8 +80,8 @@ def validate(p: PlanInputs, spec: ModelSpec) -> tuple[list[int], int]:
     if p.target == "cpu":
         if p.gpu is not None or p.gpu_mem_gib is not None:
             raise TierguardError("--target cpu plans host RAM for `tierguard serve`: drop --gpu / --gpu-mem-gib")
-        if p.engine != "tierguard":
-            raise TierguardError(f"--target cpu plans `tierguard serve`; --engine {p.engine} runs on GPUs")
+        if p.engine not in ("tierguard", "vllm"):
+            raise TierguardError(f"--target cpu plans `tierguard serve` or vLLM's CPU backend; --engine {p.engine} runs on GPUs")
         if p.tp * p.pp != 1:
             raise TierguardError("--target cpu runs one process: --tp and --pp must be 1")
     for v, what in (
@@ -97,6 +98,8 @@ def validate(p: PlanInputs, spec: ModelSpec) -> tuple[list[int], int]:
         raise TierguardError(f"--output-len must not be negative, got {p.output_len}")
     if p.engine not in ENGINES:
         raise TierguardError(f"unknown engine {p.engine!r}: choose one of {', '.join(ENGINES)}")
+    if p.kv_cache_gib is not None and not (p.engine == "vllm" and p.target == "cpu"):
+        raise TierguardError("--kv-cache-gib sizes vLLM's CPU pool: it needs --engine vllm --target cpu")
     if p.offload not in ("none", "kv", "weights", "both"):
         raise TierguardError(f"--offload must be none, kv, weights or both, got {p.offload!r}")
     if spec.num_heads % p.tp:

@@ -31,6 +31,7 @@ from tierguard.plan.kv import KVModel, KVSettings
 from tierguard.plan.ladder import LadderState, Workload, run_ladder
 from tierguard.plan.reserves import EngineRules, default_batching, engine_rules
 from tierguard.plan.summary import kv_dict, model_dict, settings_dict, weights_by_dtype
+from tierguard.plan.vllm_cpu import serving_dtype, vllm_cpu_figures
 from tierguard.plan.weights import estimate_weights
 
 __all__ = ["PlanInputs", "make_plan"]
@@ -89,6 +90,10 @@ def make_plan(p: PlanInputs) -> dict:
     if p.engine is None:
         p = replace(p, engine="tierguard" if p.target == "cpu" else "vllm")
     spec = p.model if isinstance(p.model, ModelSpec) else load_model(p.model, p.model_dirs)
+    if p.engine == "vllm" and p.target == "cpu":
+        return vllm_cpu_plan(p, spec)
+    if p.block_size is None:
+        p = replace(p, block_size=16)
     contexts, mml = validate(p, spec)
     rules = engine_rules(p.engine_version) if p.engine == "vllm" else None
     fmt = kv_format(_kv_dtype(p, spec), spec.torch_dtype)
@@ -296,5 +301,70 @@ def make_plan(p: PlanInputs) -> dict:
         },
         "flags": flags,
         "tp_trap": None if cpu else tp_trap(facts),
+        "warnings": warnings,
+    }
+
+
+def vllm_cpu_plan(p: PlanInputs, spec: ModelSpec) -> dict:
+    """`--engine vllm --target cpu`: the pool is what the user asks for (--kv-cache-gib), so the
+    plan is vLLM's own arithmetic (plan/vllm_cpu.py), no memory decomposition or ladder."""
+    block_size = p.block_size  # None: vLLM's CPU default
+    p = replace(p, block_size=block_size or 16, max_model_len=p.max_model_len or spec.max_position_embeddings)
+    contexts, mml = validate(p, spec)
+    model_path = p.model if isinstance(p.model, str) else spec.name
+    fig = vllm_cpu_figures(
+        spec,
+        kv_cache_gib=p.kv_cache_gib,
+        dtype=p.weights_dtype,
+        kv_dtype=p.kv_dtype,
+        block_size=block_size,
+        max_model_len=mml,
+        model_path=model_path,
+    )
+    dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[serving_dtype(p.weights_dtype, spec.torch_dtype)]
+    kv_name = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(fig["kv_cache_dtype"], "fp8")
+    settings = KVSettings(fmt=kv_format(kv_name), max_model_len=mml, block_size=fig["block_size"])
+    kvm = KVModel(spec, settings)
+    w = estimate_weights(spec, weight_format(dtype, spec.torch_dtype, spec.quantization), 1, 1)
+    longest = max(contexts) + p.output_len
+    per_request = -(-longest // fig["block_size"])
+    usable_blocks = max(0, fig["num_blocks"] - 1)  # the null block is never handed out
+    fits = fig["starts"] and p.concurrency * per_request <= usable_blocks
+    warnings = []
+    if not fig["starts"]:
+        warnings.append(
+            f"vLLM will refuse to start: one request at --max-model-len {mml} needs "
+            f"{fig['blocks_per_request'] * fig['block_bytes'] / GIB:.2f} GiB of KV; the pool holds "
+            f"--max-model-len {fig['longest_max_model_len']} at most"
+        )
+    return {
+        "model": model_dict(spec, w.params),
+        "engine": "vllm",
+        "engine_rules": None,
+        "workload": {
+            "contexts": contexts,
+            "concurrency": p.concurrency,
+            "output_len": p.output_len,
+            "longest_sequence": longest,
+            "kv_bytes": p.concurrency * per_request * fig["block_bytes"],
+            "kv_bytes_per_gpu": p.concurrency * per_request * fig["block_bytes"],
+        },
+        "kv": kv_dict(kvm, contexts, spec),
+        "weights_dtype": dtype,
+        "weights_bytes": w.total_bytes,
+        "weights_bytes_per_gpu": w.per_gpu_bytes,
+        "weights_by_dtype": weights_by_dtype(p, spec, dtype),
+        "settings": {**settings_dict(p, mml, None, None, False), "block_size": fig["block_size"]},
+        "gpu": None,
+        "vllm_cpu": fig,
+        "max_concurrency": {str(mml): fig["max_concurrency"]},
+        "fits": fits,
+        "fits_after_ladder": fits,
+        "host": None,
+        "ladder": [],
+        "final": None,
+        "env": fig["env"],
+        "flags": {"vllm": fig["flags"]},
+        "tp_trap": None,
         "warnings": warnings,
     }

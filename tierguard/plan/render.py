@@ -159,9 +159,31 @@ def _ladder_table(plan: dict) -> Table:
     return t
 
 
+def _vllm_cpu(plan: dict, con: Console) -> None:
+    """vLLM's CPU pool: the two figures of its start-up line, predicted, and how to start it."""
+    v = plan["vllm_cpu"]
+    t = Table(title=f"vLLM {v['vllm_version']} on CPU: KV pool", show_header=False, title_justify="left")
+    t.add_row("pool", f"{human(v['kv_cache_bytes'])} ({v['kv_cache_bytes']:,} B)")
+    t.add_row("dtype / KV dtype", f"{v['dtype']} / {v['kv_cache_dtype']}")
+    t.add_row("KV per token", f"{v['bytes_per_token']:,} B")
+    t.add_row("block", f"{v['block_size']} tokens x all layers = {v['block_bytes']:,} B")
+    t.add_row("blocks", f"{v['num_blocks']:,} ({v['blocks_per_request']} per request at {v['max_model_len']:,} tokens)")
+    con.print(t)
+    con.print(v["log_line"], soft_wrap=True)
+    wl = plan["workload"]
+    verdict = "[green]fits[/green]" if plan["fits"] else "[red]does not fit[/red]"
+    con.print(f"Workload: {wl['concurrency']} x {wl['longest_sequence']:,} tokens: {verdict}")
+    for w in plan["warnings"]:
+        con.print(f"[yellow]warning:[/yellow] {w}", soft_wrap=True)
+    con.print(f"[bold]vllm[/bold]: {v['command']}", soft_wrap=True)
+
+
 def render(plan: dict, console: Console | None = None) -> None:
     con = console or Console()
     con.print(_model_table(plan))
+    if plan.get("vllm_cpu"):
+        _vllm_cpu(plan, con)
+        return
     con.print(_context_table(plan))
     if plan["gpu"] is None:
         con.print(_weights_table(plan))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -24,7 +25,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tierguard.common.errors import TierguardError
 from tierguard.sweep.matrix import Profile, Variant
+
+_MODEL_DIR = re.compile(r"\{model_dir:([A-Za-z0-9_.~/-]+)\}")
 
 
 class EngineStartError(Exception):
@@ -61,10 +65,19 @@ def http_post_json(url: str, body: dict, timeout: float = 60.0) -> tuple[int, st
 
 
 def fill(template: str, subst: dict[str, str]) -> str:
-    """Replace only our placeholders (port, base_url, python, workdir): engine flags often
-    carry JSON braces, so str.format would break them."""
+    """Replace only our placeholders (port, base_url, python, workdir, model_dir:NAME): engine
+    flags often carry JSON braces, so str.format would break them. `{model_dir:smollm2}` is the
+    local HF directory tierguard serves for that name (imported once), for engines that load
+    directories: the same weights on both sides of a comparison."""
     for key, value in subst.items():
         template = template.replace("{" + key + "}", value)
+    if "{model_dir:" in template:
+        from tierguard.model.registry import resolve_model
+
+        try:
+            template = _MODEL_DIR.sub(lambda m: str(resolve_model(m[1])), template)
+        except TierguardError as exc:
+            raise EngineStartError(str(exc)) from None
     return template
 
 

