@@ -71,6 +71,26 @@ def test_prefix_reload_from_host(tiny_dir, reference):
         engine.close()
 
 
+def test_stores_dropped_under_backpressure_break_nothing(tiny_dir, reference, tmp_path):
+    """A store lane with almost no share of the cores and room for one store: finished
+    sequences' stores are dropped and counted, while swap-outs and loads (promotions)
+    still run, outputs stay greedy-exact and the pool stays consistent."""
+    tiers = dict(kv_host_gib=0.01, kv_disk_dir=str(tmp_path), kv_disk_gib=0.05)
+    engine = make_engine(tiny_dir, num_blocks=TIGHT, kv_store_share=0.01, kv_store_max_pending=1, **tiers)
+    try:
+        engine.connector.store_policy.charge(0.02)  # the lane's share is spent for ~2 s
+        assert run(engine, PROMPTS) == reference
+        x = extra(engine)
+        assert x["kv_stores_dropped_offload_backlog"] > 0
+        assert x["kv_stores_admitted_offload"] <= 1 + x["kv_stores_dropped_offload_backlog"]
+        assert x["kv_swap_out_blocks"] > 0 and x["kv_host_hits"] > 0  # promotions ran
+        assert x["kv_stores_pending"] <= 1
+    finally:
+        engine.close()
+    engine.check_integrity()
+    assert extra(engine)["kv_stores_pending"] == 0  # close ran what was queued
+
+
 def test_prefix_reload_from_disk_after_restart(tiny_dir, tmp_path):
     # Its own one-prompt reference, not the module's: this test is the killer of three
     # mutants in tests/test_mutations.py, each run in a fresh process.

@@ -144,3 +144,32 @@ def test_copy_blocks_moves_runs_and_lone_blocks_whole():
         assert torch.equal(t[6].view(torch.uint8), old[3].view(torch.uint8))
         assert torch.equal(t[1].view(torch.uint8), old[7].view(torch.uint8))
         assert torch.equal(t[0], old[0]) and torch.equal(t[4], old[4])
+
+
+_NO_OMP_TEAM = """
+import os, threading, torch
+from concurrent.futures import ThreadPoolExecutor
+from tierguard.kv.spec import DevicePool
+torch.set_num_threads(2)
+pool = DevicePool([torch.zeros((64, 32768), dtype=torch.float32)])  # 128 KiB blocks
+slab = torch.zeros((64, pool.block_bytes), dtype=torch.uint8)
+worker = ThreadPoolExecutor(1)
+worker.submit(lambda: None).result()  # the transfer thread exists, idle
+before = len(os.listdir("/proc/self/task"))
+ids = list(range(64))
+worker.submit(pool.copy_blocks, ids, slab, ids, False).result()  # 8 MiB, one run
+worker.submit(pool.copy_blocks, ids, slab, ids, True).result()
+print(len(os.listdir("/proc/self/task")) - before)
+"""
+
+
+def test_host_copies_start_no_openmp_team_on_the_transfer_thread():
+    """A device <-> host copy on a CPU pool runs on the transfer thread alone: it leaves
+    no second OpenMP team behind (more OpenMP threads than cores slow every later
+    engine step, tier or no tier)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _NO_OMP_TEAM], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.strip().splitlines()[-1]) == 0

@@ -43,8 +43,16 @@ class EngineConfig:
     kv_encrypt_key_file: str | None = None
     kv_encrypt_old_key_file: str | None = None
     kv_disk_ttl_s: float = 0.0
+    # Offload stores (copies nobody waits for yet) under backpressure (tierguard/kv/store_policy.py):
+    # at most this share of one core, and this many stores waiting or running; past it a store is dropped.
+    kv_store_share: float = 0.1
+    kv_store_max_pending: int = 4
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.kv_store_share, int | float) and 0 < self.kv_store_share <= 1):
+            raise TierguardError(f"kv_store_share must be in (0, 1], got {self.kv_store_share!r}")
+        if not isinstance(self.kv_store_max_pending, int) or self.kv_store_max_pending < 1:
+            raise TierguardError(f"kv_store_max_pending must be a positive integer, got {self.kv_store_max_pending!r}")
         if self.kv_dtype not in ("auto", "fp8", "int8"):
             raise TierguardError(f"--kv-dtype must be auto, fp8 or int8, got {self.kv_dtype!r}")
         if not isinstance(self.target_itl_ms, int | float) or self.target_itl_ms < 0:

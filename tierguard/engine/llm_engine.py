@@ -150,7 +150,13 @@ class LLMEngine:
         config = self.config
         if not config.tiers_enabled:
             return NoConnector()
-        options = TierOptions(int(config.kv_host_gib * GIB), config.media_options(), config.ttft_budget_ms)
+        options = TierOptions(
+            int(config.kv_host_gib * GIB),
+            config.media_options(),
+            config.ttft_budget_ms,
+            store_share=config.kv_store_share,
+            store_max_pending=config.kv_store_max_pending,
+        )
         if config.kv_encrypt_key_file:  # every cold medium stores blocks sealed (AES-256-GCM)
             from tierguard.kv.media.aead_codec import AesGcmCodec
 

@@ -41,6 +41,7 @@ from tierguard.kv.contract import ContractStats
 from tierguard.kv.manager import ManagerStats
 from tierguard.kv.media.block_format import IDENTITY, BlockCodec
 from tierguard.kv.media.host import HostTierStats
+from tierguard.kv.store_policy import StoreStats
 from tierguard.kv.transfer import RouteStats
 
 
@@ -91,6 +92,8 @@ class TierOptions:
     ttft_budget_ms: dict[str, float] | None = None
     num_threads: int = 2
     codec: BlockCodec = IDENTITY  # how cold media store a block (an encrypting codec goes here)
+    store_share: float = 0.1  # offload stores' share of one core (store_policy.py)
+    store_max_pending: int = 4  # stores waiting or running before a new one is dropped
 
 
 @dataclass
@@ -114,6 +117,7 @@ class TierStats:
     load_p99_ms: float = gauge("p99 prefix load time over the recent window, ms.")
     transfer_queue_depth: int = gauge("Transfer jobs queued or running.")
     manager: ManagerStats = group("", ManagerStats)
+    stores: StoreStats = group("", StoreStats)
     host: HostTierStats = group("host_", HostTierStats)
     media: dict[str, Any] = group("{key}_")
     routes: dict[str, RouteStats] = group("transfer_{key}_")

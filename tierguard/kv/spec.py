@@ -17,6 +17,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from tierguard.common.errors import TierguardError
@@ -205,6 +206,13 @@ class DevicePool:
         copy). Across devices (CUDA) each pool tensor crosses in one transfer per call: the
         rows are gathered on the device side with one index_select (or packed into pinned
         staging on the host side) and scattered on the other.
+
+        Within host memory the copy is a plain memcpy on the calling thread (numpy, which
+        releases the GIL), never a torch op: torch would run it as an OpenMP region, and
+        the first OpenMP region on a transfer thread leaves a second thread team alive
+        for the life of that thread. With more OpenMP threads than cores, libgomp stops
+        spinning at barriers and sleeps instead, which slows every engine step that
+        follows, whether or not a tier is ever read again.
         """
         if len(block_ids) != len(slots):
             raise ValueError("copy_blocks needs one slot per block")
@@ -215,11 +223,12 @@ class DevicePool:
         for part, (offset, nbytes) in zip(self.block_rows(), self.part_offsets(), strict=True):
             cols = slab[:, offset : offset + nbytes]
             if not cross:
+                pool_rows, slab_rows = part.numpy(), cols.numpy()
                 for b, s, n in runs:
                     if to_device:
-                        part[b : b + n].copy_(cols[s : s + n])
+                        np.copyto(pool_rows[b : b + n], slab_rows[s : s + n])
                     else:
-                        cols[s : s + n].copy_(part[b : b + n])
+                        np.copyto(slab_rows[s : s + n], pool_rows[b : b + n])
                 continue
             staged = torch.empty((len(block_ids), nbytes), dtype=torch.uint8, pin_memory=True)
             ids = torch.tensor(block_ids, dtype=torch.long).to(part.device, non_blocking=True)

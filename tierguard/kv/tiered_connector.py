@@ -36,10 +36,11 @@ from tierguard.kv.connector import (
 from tierguard.kv.contract import BATCH, ColdContract
 from tierguard.kv.copy_handlers import register_cold_medium, register_device_host
 from tierguard.kv.faults import FaultInjector
-from tierguard.kv.manager import HOST, KVManager, LoadPlan, StorePlan, TieredManager
+from tierguard.kv.manager import HOST, KVManager, LoadPlan, PersistPlan, StorePlan, TieredManager
 from tierguard.kv.media import ColdMedium, DeviceBlocks, HostSlots, MediumContext, create_medium
 from tierguard.kv.media.host import HostTier
 from tierguard.kv.spec import DevicePool
+from tierguard.kv.store_policy import OFFLOAD, PERSIST, StorePolicy
 from tierguard.kv.transfer import TransferResult, TransferSpec, TransferWorker
 
 
@@ -78,6 +79,7 @@ class TieredConnector(KVConnector):
         self.host = host
         self.media = {m.name: m for m in media}  # read-only: tests and /health use it
         self.worker = worker
+        self.store_policy: StorePolicy = worker.store_policy
         self.contract = contract
         self._loads: dict[str, _Load] = {}
         self._checked: set[str] = set()  # sequences whose tiers were consulted this stage
@@ -107,7 +109,8 @@ class TieredConnector(KVConnector):
         host = HostTier(options.host_bytes, device_pool.block_bytes)
         ctx = MediumContext(fingerprint, device_pool.block_bytes, faults, options.codec)
         media = [create_medium(name, ctx, opts) for name, opts in options.media.items()]
-        worker = TransferWorker(device_pool.block_bytes, num_threads=options.num_threads, faults=faults)
+        stores = StorePolicy(max_pending=options.store_max_pending, share=options.store_share)
+        worker = TransferWorker(device_pool.block_bytes, options.num_threads, faults, stores)
         register_device_host(worker, device_pool, host)
         for medium in media:
             register_cold_medium(worker, host, medium)
@@ -250,9 +253,15 @@ class TieredConnector(KVConnector):
             return
         hashes, blocks = list(seq.block_hashes[:n]), seq.block_table[:n]
         persist = not preempted and bool(self.media)
-        plan = self.manager.prepare_store(hashes)
         if persist:  # already in host RAM: only the write-behind is left to do
             self._persist([h for h in hashes if self.host.contains(h)])
+        # A preempted sequence's swap-out is a promotion (it will be restored); a finished
+        # one's blocks are a store, admitted under backpressure (store_policy.py).
+        store = not preempted
+        wanted = any(not self.host.is_present(h) for h in hashes)
+        if wanted and store and not self.store_policy.admit(OFFLOAD):
+            wanted = False
+        plan = self.manager.prepare_store(hashes) if wanted else StorePlan(to_store=[])
         in_flight: list[int] = []
         if plan.to_store:
             by_hash = dict(zip(hashes, blocks, strict=True))
@@ -261,7 +270,9 @@ class TieredConnector(KVConnector):
                 self.pool.acquire(b)
                 self._pins[b] += 1
             spec = TransferSpec(DeviceBlocks(in_flight), HostSlots([slot for _, slot in plan.to_store]))
-            self._submit(spec, lambda r: self._on_stored(plan, in_flight, persist, r))
+            self._submit(spec, lambda r: self._on_stored(plan, in_flight, persist, store, r), store=store)
+        elif wanted and store:
+            self.store_policy.done(OFFLOAD, 0.0)
         if preempted:
             present = sum(1 for h in hashes if self.host.is_present(h))
             self._c.swap_out_blocks += present
@@ -270,8 +281,10 @@ class TieredConnector(KVConnector):
             self._c.offloaded_blocks += len(in_flight)
 
     def _on_stored(
-        self, plan: StorePlan, device_blocks: list[int], persist: bool, result: TransferResult
+        self, plan: StorePlan, device_blocks: list[int], persist: bool, store: bool, result: TransferResult
     ) -> None:
+        if store:
+            self.store_policy.done(OFFLOAD, result.seconds)
         self.manager.complete_store(plan, result.success)
         for b in device_blocks:
             self._unpin(b)
@@ -279,17 +292,35 @@ class TieredConnector(KVConnector):
             self._persist([h for h, _ in plan.to_store])
 
     def _persist(self, hashes: list[int]) -> None:
-        for p in self.manager.prepare_persist(hashes):
+        """Write host blocks behind to the cold media: one store, admitted or dropped."""
+        writable = [m for m in self.media.values() if m.writes_enabled]
+        if not any(not m.contains(h) for m in writable for h in hashes):
+            return
+        if not self.store_policy.admit(PERSIST):
+            return
+        plans = self.manager.prepare_persist(hashes)
+        if not plans:
+            self.store_policy.done(PERSIST, 0.0)
+            return
+        left = [len(plans)]
+
+        def on_done(p: PersistPlan, r: TransferResult) -> None:
+            self.manager.complete_persist(p, r.block_ok)
+            left[0] -= 1
+            if left[0] == 0:
+                self.store_policy.done(PERSIST, r.seconds)
+
+        for p in plans:
             medium = self.media[p.medium]
             spec = TransferSpec(HostSlots([s for _, s in p.blocks]), medium.spec([h for h, _ in p.blocks]))
-            self._submit(spec, lambda r, p=p: self.manager.complete_persist(p, r.block_ok))
+            self._submit(spec, lambda r, p=p: on_done(p, r), store=True)
 
     # ---- progress ----
 
-    def _submit(self, spec: TransferSpec, on_done: Callable[[TransferResult], None]) -> None:
+    def _submit(self, spec: TransferSpec, on_done: Callable[[TransferResult], None], store: bool = False) -> None:
         self._next_job += 1
         self._jobs[self._next_job] = on_done
-        self.worker.transfer_async(self._next_job, spec)
+        self.worker.transfer_async(self._next_job, spec, store=store)
 
     def poll(self) -> PollResult:
         for done in self.worker.get_finished():
@@ -362,6 +393,7 @@ class TieredConnector(KVConnector):
             load_p99_ms=quantile_ms(sorted(self._load_seconds), 0.99),
             transfer_queue_depth=self.worker.queue_depth,
             manager=self.manager.stats(),
+            stores=self.store_policy.stats(),
             host=self.host.stats(),
             media={name: m.stats() for name, m in self.media.items()},
             routes=self.worker.route_stats(),

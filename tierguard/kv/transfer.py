@@ -25,8 +25,12 @@ from tierguard.common.histogram import LatencyHistogram
 from tierguard.common.stats import counter, gauge, quantile_ms
 from tierguard.kv.faults import FaultInjector
 from tierguard.kv.media import BlockSpec
+from tierguard.kv.store_policy import StorePolicy
 
 log = logging.getLogger("tierguard.kv.transfer")
+
+# How long the store lane sleeps when its share of the cores is spent.
+STORE_RETRY_S = 0.002
 
 
 @dataclass
@@ -93,12 +97,27 @@ class _Route:
 
 
 class TransferWorker:
-    """Thread pool that runs transfer jobs through registered handlers."""
+    """Thread pool that runs transfer jobs through registered handlers.
 
-    def __init__(self, block_bytes: int, num_threads: int = 2, faults: FaultInjector | None = None) -> None:
+    Two lanes: promotions (loads, swap-outs) run at once on `num_threads` threads; stores
+    (`store=True`: copies nobody waits for yet) run one at a time on their own thread,
+    each only when `store_policy.allow_run()` says the lane's share of the cores is not
+    spent (store_policy.py). A store never delays a promotion.
+    """
+
+    def __init__(
+        self,
+        block_bytes: int,
+        num_threads: int = 2,
+        faults: FaultInjector | None = None,
+        store_policy: StorePolicy | None = None,
+    ) -> None:
         self.block_bytes = block_bytes
         self.faults = faults or FaultInjector()
+        self.store_policy = store_policy or StorePolicy()
         self._executor = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="kv-transfer")
+        self._store_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-store")
+        self._closing = threading.Event()
         self._lock = threading.Lock()
         self._finished: list[TransferResult] = []
         self._in_flight: set[int] = set()
@@ -110,8 +129,9 @@ class TransferWorker:
 
     # ---- caller side (never blocks on a transfer) ----
 
-    def transfer_async(self, job_id: int, spec: TransferSpec) -> None:
-        """Enqueue a job. Raises ValueError for a route no handler serves."""
+    def transfer_async(self, job_id: int, spec: TransferSpec, store: bool = False) -> None:
+        """Enqueue a job (on the store lane when `store`). Raises ValueError for a route no
+        handler serves."""
         handler = self._handlers.get(spec.route)
         if handler is None:
             raise ValueError(f"unsupported transfer route {spec.route_name}")
@@ -120,7 +140,10 @@ class TransferWorker:
             if job_id in self._in_flight:
                 raise ValueError(f"transfer job {job_id} is already in flight")
             self._in_flight.add(job_id)
-        self._executor.submit(self._run, job_id, spec, handler, prepared)
+        if store:
+            self._store_executor.submit(self._run_store, job_id, spec, handler, prepared)
+        else:
+            self._executor.submit(self._run, job_id, spec, handler, prepared)
 
     def get_finished(self) -> list[TransferResult]:
         """Jobs completed since the last call, in completion order."""
@@ -149,11 +172,21 @@ class TransferWorker:
             return len(self._in_flight)
 
     def shutdown(self) -> None:
+        self._closing.set()  # queued stores run now, without waiting for their share
+        self._store_executor.shutdown(wait=True)
         self._executor.shutdown(wait=True)
 
     # ---- worker side ----
 
-    def _run(self, job_id: int, spec: TransferSpec, handler: TransferHandler, prepared: object) -> None:
+    def _run_store(self, job_id: int, spec: TransferSpec, handler: TransferHandler, prepared: object) -> None:
+        while not self._closing.is_set() and not self.store_policy.allow_run():
+            self._closing.wait(STORE_RETRY_S)
+        cpu = time.thread_time()
+        self._run(job_id, spec, handler, prepared)
+        # The share is of the cores: waiting for a device (fsync, a socket) costs none of it.
+        self.store_policy.charge(time.thread_time() - cpu)
+
+    def _run(self, job_id: int, spec: TransferSpec, handler: TransferHandler, prepared: object) -> float:
         start = time.perf_counter()
         error = ""
         try:
@@ -175,3 +208,4 @@ class TransferWorker:
             route.latency.observe(seconds)
             self._in_flight.discard(job_id)
             self._finished.append(result)
+        return seconds

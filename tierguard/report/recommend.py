@@ -1,14 +1,23 @@
-"""Turn boundaries into decisions, in the article's terms (R14, R7, R4, R5).
+"""Turn boundaries into decisions, in the article's terms (R14, R7, R4, R5; see
+docs/requirements.md).
 
 Rules read the boundary per context, the prefix-reuse slice and the variants' tags
-(reference, no-tier, host-tier, disk-prefix, fp8, naive-sync-disk); each rule fires only
-when the numbers support it, and every sentence quotes the numbers it rests on. The
-order follows the article: admission limits first, then long sessions, what NVMe is for,
-prefix reuse, KV quantization before offload, and the RAM tier last.
+(reference, no-tier, host-tier, disk-prefix, fp8, naive-sync-disk). Every sentence
+quotes the numbers it rests on, and every comparison follows the measured order with
+its uncertainty (compare.py):
+  - two boundaries whose ranges overlap are "no measurable difference", whatever their
+    points say;
+  - where the measured order contradicts R7's remedy order, the sentence says what was
+    measured and that R7's order is a default to test, not a result;
+  - a variant measured above one it cannot truly beat (`bounded_by` in the matrix: less
+    memory, otherwise the same settings) is reported as noise, with both ranges.
+The order follows the article: admission limits first, then long sessions, what NVMe is
+for, prefix reuse, the cost of a tier, KV quantization before offload, the RAM tier last.
 """
 
 from __future__ import annotations
 
+from tierguard.report.compare import Advice, Claim, Measured, relation
 from tierguard.report.load import RunData, VariantData
 from tierguard.report.tables import fmt_ms, prefix_p50_ttft
 from tierguard.sweep.cells import CellSpec, CellVerdict
@@ -27,15 +36,21 @@ def _b(x: int | None) -> str:
 
 
 def recommendations(data: RunData) -> list[str]:
+    return [a.text for a in advise(data)]
+
+
+def advise(data: RunData) -> list[Advice]:
+    """The recommendation's sentences, each with the comparisons it makes."""
     ctxs = sorted(data.matrix.profile.context_lengths)
     done = [v for v in data.variants if v.boundaries]
-    out: list[str] = []
+    out: list[Advice] = []
     for v in data.variants:
         if v.status == "failed":
-            out.append(f"{v.name} did not run ({v.error}); it has no boundary.")
+            out.append(Advice(f"{v.name} did not run ({v.error}); it has no boundary."))
     if not done:
         return out
     out += _limits(done, ctxs)
+    out += _noise(data, ctxs)
     out += _long_sessions(data, done, ctxs)
     out += _nvme(data, ctxs[-1])
     out += _prefix(data)
@@ -44,39 +59,68 @@ def recommendations(data: RunData) -> list[str]:
     return out
 
 
-def _limits(done: list[VariantData], ctxs: list[int]) -> list[str]:
+def _limits(done: list[VariantData], ctxs: list[int]) -> list[Advice]:
     out = []
     for ctx in ctxs:
         top = max((x for x in (_best(v, ctx) for v in done) if x is not None), default=None)
         if top is None:
-            out.append(
+            out.append(Advice(
                 f"At {ctx} tokens no variant meets the SLOs even alone: lower the maximum context "
                 "or move such requests to an asynchronous mode."
-            )
+            ))
             continue
         names = [v.name for v in done if _best(v, ctx) == top]
         ceiling = all((v.boundaries.get(ctx) or {}).get("ceiling_reached") for v in done if v.name in names)
         bound = f"at least {top} (the ladder's top)" if ceiling else str(top)
-        out.append(
+        out.append(Advice(
             f"At {ctx} tokens, {', '.join(names)} hold{'s' if len(names) == 1 else ''} the SLOs up to "
             f"concurrency {bound}; admit no more than that per replica (a bounded queue, not an open one)."
-        )
+        ))
     return out
 
 
-def _long_sessions(data: RunData, done: list[VariantData], ctxs: list[int]) -> list[str]:
+def _noise(data: RunData, ctxs: list[int]) -> list[Advice]:
+    """A variant measured above one it cannot truly beat: the difference is noise."""
+    by_name = {v.name: v for v in data.variants}
+    out = []
+    for spec in data.matrix.variants:
+        v = by_name.get(spec.name)
+        for bound_name in spec.bounded_by:
+            w = by_name.get(bound_name)
+            if v is None or w is None:
+                continue
+            for ctx in ctxs:
+                a, b = Measured.of(v, ctx), Measured.of(w, ctx)
+                if a is None or b is None or a.best <= b.best:
+                    continue
+                if relation(a, b) == "same":
+                    why = "the difference is noise: their ranges overlap"
+                else:
+                    why = ("the difference is noise beyond the ranges the bootstrap gives; "
+                           "repeat the cells (uncertainty.repeats) before acting on either")
+                out.append(Advice(
+                    f"At {ctx} tokens {v.name} measured {a.interval()} against {b.interval()} for "
+                    f"{w.name}, which it cannot truly beat (less memory, otherwise the same settings): "
+                    f"{why}. Read both as {w.name}'s range."
+                ))
+    return out
+
+
+def _long_sessions(data: RunData, done: list[VariantData], ctxs: list[int]) -> list[Advice]:
     if len(ctxs) < 2:
         return []
     short, long = ctxs[0], ctxs[-1]
     first = _tagged(data, "reference")
     for v in ([first] if first else []) + done:
-        bs, bl = _best(v, short), _best(v, long)
-        if bs is not None and (bl is None or bl < bs):
-            return [
-                f"Long contexts leave the SLO first ({v.name}: {_b(bl)} at {long} tokens vs {bs} at "
-                f"{short}): give long sessions a separate pool, or their own lower concurrency limit, "
-                "instead of one max_model_len for everyone."
-            ]
+        ms, ml = Measured.of(v, short), Measured.of(v, long)
+        if ms is None:
+            continue
+        if ml is None or relation(ml, ms) == "below":
+            return [Advice(
+                f"Long contexts leave the SLO first ({v.name}: {_b(_best(v, long))} at {long} tokens vs "
+                f"{ms.best} at {short}): give long sessions a separate pool, or their own lower "
+                "concurrency limit, instead of one max_model_len for everyone."
+            )]
     return []
 
 
@@ -85,16 +129,26 @@ def _first_miss(v: VariantData, ctx: int) -> CellVerdict | None:
     return v.cells.get(CellSpec("ladder", ctx, first).key) if first is not None else None
 
 
-def _nvme(data: RunData, long: int) -> list[str]:
+def _nvme(data: RunData, long: int) -> list[Advice]:
     naive, disk = _tagged(data, "naive-sync-disk"), _tagged(data, "disk-prefix")
     if naive is None or disk is None:
         return []
-    n, d = _best(naive, long), _best(disk, long)
-    if (n or 0) >= (d or 0):
-        return [
-            f"Reading NVMe inside the decode loop ({naive.name}) did not lower the boundary at {long} "
-            f"tokens here ({_b(n)} vs {_b(d)} for {disk.name}); its reads may be served from the page cache."
-        ]
+    n, d = Measured.of(naive, long), Measured.of(disk, long)
+    if n is None or d is None:
+        return []
+    rel = relation(n, d)
+    if rel == "above":
+        return [Advice(
+            f"Reading NVMe inside the decode loop ({naive.name}) measured above the contract at {long} "
+            f"tokens ({n.interval()} vs {d.interval()} for {disk.name}); its reads may be served from the "
+            "page cache, so this run does not show the failure mode."
+        )]
+    if rel == "same":
+        return [Advice(
+            f"Reading NVMe inside the decode loop ({naive.name}) shows no measurable difference from the "
+            f"contract at {long} tokens ({n.interval()} vs {d.interval()} for {disk.name}); its reads may "
+            "be served from the page cache."
+        )]
     detail = ""
     miss = _first_miss(naive, long)
     if miss is not None:
@@ -109,11 +163,12 @@ def _nvme(data: RunData, long: int) -> list[str]:
             f" (at concurrency {miss.concurrency} its p99 ITL is {fmt_ms(miss.p99['itl'].value)} ms"
             f"{twin_itl})"
         )
-    return [
+    return [Advice(
         f"Reading NVMe synchronously in the decode loop ({naive.name}) lowers the boundary at {long} tokens "
-        f"from {_b(d)} to {_b(n)}{detail}: use NVMe only as a prefix cache and a cold tier loaded before "
-        f"the answer starts ({disk.name}), never as an extension of VRAM."
-    ]
+        f"from {d.interval()} to {n.interval()}{detail}: use NVMe only as a prefix cache and a cold tier "
+        f"loaded before the answer starts ({disk.name}), never as an extension of VRAM.",
+        (Claim("better", disk.name, naive.name, long),),
+    )]
 
 
 def _prefix_cell(v: VariantData) -> CellVerdict | None:
@@ -121,7 +176,7 @@ def _prefix_cell(v: VariantData) -> CellVerdict | None:
     return cells[0] if cells else None
 
 
-def _prefix(data: RunData) -> list[str]:
+def _prefix(data: RunData) -> list[Advice]:
     bare = next((v for v in data.variants if "no-tier" in v.tags and _prefix_cell(v)), None)
     tiered = [v for v in data.variants if {"host-tier", "disk-prefix"} & set(v.tags) and _prefix_cell(v)]
     if bare is None or not tiered:
@@ -148,55 +203,95 @@ def _prefix(data: RunData) -> list[str]:
                 )
             else:
                 tail = f", p99 {both}"
-            out.append(
+            out.append(Advice(
                 f"Repeated prefixes: {v.name} turns recompute into loads - p50 TTFT {fmt_ms(p)} ms against "
                 f"{fmt_ms(pb)} ms for {bare.name}, which recomputes evicted prefixes{tail}."
-            )
+            ))
         else:
-            out.append(
-                f"Repeated prefixes: {v.name} did not beat recompute here (p50 TTFT {fmt_ms(p)} vs "
+            out.append(Advice(
+                f"Repeated prefixes: {v.name} did not beat recompute (p50 TTFT {fmt_ms(p)} vs "
                 f"{fmt_ms(pb)} ms for {bare.name}); on this machine loading a prefix costs as much as "
                 "computing it, so a prefix tier is not worth its budget."
-            )
+            ))
     return out
 
 
-def _tier_cost(data: RunData, long: int) -> list[str]:
-    """A tier is not free: its copies share the machine with compute. Say so when the
-    ladder (no reuse) shows it."""
+def _tier_cost(data: RunData, long: int) -> list[Advice]:
+    """What a tier costs on unique prompts, where nothing is reused: measurably less,
+    or no measurable difference."""
     bare = next((v for v in data.variants if "no-tier" in v.tags and v.boundaries), None)
-    if bare is None or _best(bare, long) is None:
+    mb = Measured.of(bare, long) if bare is not None else None
+    if bare is None or mb is None:
         return []
-    b = _best(bare, long) or 0
-    slower = [
-        v
-        for v in data.variants
-        if {"host-tier", "disk-prefix"} & set(v.tags) and v.boundaries and (_best(v, long) or 0) < b
-    ]
-    if not slower:
-        return []
-    names = ", ".join(f"{v.name} {_b(_best(v, long))}" for v in slower)
-    return [
-        f"Without reuse a tier only costs: on unique prompts at {long} tokens the boundary is {names} "
-        f"against {b} for {bare.name}, since offload copies share the machine with compute. Enable a "
-        "tier for traffic that repeats prefixes or resumes sessions, not by default."
-    ]
+    lower, same = [], []
+    for v in data.variants:
+        m = Measured.of(v, long) if {"host-tier", "disk-prefix"} & set(v.tags) else None
+        if m is None:
+            continue
+        rel = relation(m, mb)
+        if rel == "below":
+            lower.append(m)
+        elif rel == "same":
+            same.append(m)
+    out = []
+    if lower:
+        names = ", ".join(f"{m.name} {m.interval()}" for m in lower)
+        out.append(Advice(
+            f"Without reuse a tier costs here: on unique prompts at {long} tokens the boundary is {names} "
+            f"against {mb.interval()} for {bare.name}. Enable a tier for traffic that repeats prefixes or "
+            "resumes sessions, not by default.",
+            tuple(Claim("better", bare.name, m.name, long) for m in lower),
+        ))
+    if same:
+        names = ", ".join(f"{m.name} {m.interval()}" for m in same)
+        out.append(Advice(
+            f"On unique prompts at {long} tokens a tier costs no measurable boundary: {names} against "
+            f"{mb.interval()} for {bare.name} (the ranges overlap)."
+        ))
+    return out
 
 
-def _quantize_and_ram(data: RunData, long: int) -> list[str]:
+def _quantize_and_ram(data: RunData, long: int) -> list[Advice]:
     out = []
     ref, host, fp8 = _tagged(data, "reference"), _tagged(data, "host-tier"), _tagged(data, "fp8")
-    if fp8 is not None:
-        f = _best(fp8, long)
-        against = f" against {_b(_best(host, long))} with a RAM tier ({host.name})" if host else ""
-        out.append(
-            f"Quantize KV before offloading it: fp8 KV ({fp8.name}) reaches {_b(f)} at {long} tokens"
-            f"{against}, with no transfers at all; check its quality on long-context tasks first."
-        )
-    if ref is not None and host is not None:
-        out.append(
-            f"A bounded RAM tier ({host.name}) reaches {_b(_best(host, long))} at {long} tokens against "
-            f"{_b(_best(ref, long))} for the reference with enough VRAM ({ref.name}); size the RAM reserve "
-            "from this p99, not from DIMM size."
-        )
+    mf = Measured.of(fp8, long) if fp8 is not None else None
+    mh = Measured.of(host, long) if host is not None else None
+    if fp8 is not None and mf is not None:
+        rel = relation(mf, mh) if mh is not None else None
+        if host is None or mh is None:
+            out.append(Advice(
+                f"fp8 KV ({fp8.name}) reaches {mf.interval()} at {long} tokens with no transfers at all; "
+                "check its quality on long-context tasks (tierguard kvcheck) before relying on it."
+            ))
+        elif rel == "below":
+            out.append(Advice(
+                f"Measured, fp8 KV ({fp8.name}, {mf.interval()}) stays below a RAM tier ({host.name}, "
+                f"{mh.interval()}) at {long} tokens. R7 puts KV quantization before RAM offload, but that "
+                "order is a default to test, not a result: on this workload the RAM tier held more."
+            ))
+        elif rel == "same" and mf.best < mh.best:
+            out.append(Advice(
+                f"fp8 KV ({fp8.name}, {mf.interval()}) and a RAM tier ({host.name}, {mh.interval()}) show "
+                f"no measurable difference at {long} tokens. R7 puts KV quantization first because it needs "
+                "no transfers; this run does not separate them, so that order stays a default to test."
+            ))
+        else:
+            how = "above" if rel == "above" else "as far as (no measurable difference from)"
+            out.append(Advice(
+                f"Quantize KV before offloading it: fp8 KV ({fp8.name}) reaches {mf.interval()} at {long} "
+                f"tokens, {how} a RAM tier ({host.name}, {mh.interval()}), with no transfers at all; check "
+                "its quality on long-context tasks first.",
+                (Claim("before", fp8.name, host.name, long),),
+            ))
+    mr = Measured.of(ref, long) if ref is not None else None
+    if ref is not None and host is not None and mr is not None and mh is not None:
+        if relation(mh, mr) == "below":
+            how = f"{mh.interval()} at {long} tokens against {mr.interval()} for the reference"
+        else:
+            how = (f"{mh.interval()} at {long} tokens, no measurable difference from the reference's "
+                   f"{mr.interval()}")
+        out.append(Advice(
+            f"A bounded RAM tier ({host.name}) reaches {how} with enough VRAM ({ref.name}); size the RAM "
+            "reserve from this p99, not from DIMM size."
+        ))
     return out

@@ -67,6 +67,10 @@ def build_demo_matrix(
         else:
             variants.append(v)
     m["variants"] = variants
+    kept = {v["name"] for v in variants}
+    for v in variants:
+        if "bounded_by" in v:
+            v["bounded_by"] = [n for n in v["bounded_by"] if n in kept]
     if quick:
         m["name"] = m.get("name", "tierguard-demo") + "-quick"
     return DemoMatrix(parse_matrix(m, "demo matrix"), skipped)

@@ -67,6 +67,9 @@ class Variant(_Strict):
     description: str = ""
     # Roles the recommendation understands: reference, no-tier, host-tier, disk-prefix, fp8, naive-sync-disk.
     tags: list[str] = Field(default_factory=list)
+    # Variants this one cannot truly beat (it has less memory and otherwise the same
+    # settings): a boundary measured above one of them is reported as noise.
+    bounded_by: list[str] = Field(default_factory=list)
 
     @field_validator("name")
     @classmethod
@@ -253,6 +256,10 @@ class Matrix(_Strict):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"duplicate variant names: {', '.join(dupes)}")
+        for v in self.variants:
+            unknown = [n for n in v.bounded_by if n not in names or n == v.name]
+            if unknown:
+                raise ValueError(f"variant {v.name!r}: bounded_by names no other variant: {', '.join(unknown)}")
         return self
 
 

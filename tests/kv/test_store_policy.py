@@ -1,0 +1,108 @@
+"""Offload stores under backpressure: a bounded backlog, a bounded share of the cores,
+drops counted by kind and reason, promotions never refused."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tierguard.kv.store_policy import OFFLOAD, PERSIST, StorePolicy
+
+
+def test_backlog_bound_drops_and_counts():
+    p = StorePolicy(max_pending=2, share=1.0)
+    assert p.admit(OFFLOAD) and p.admit(PERSIST)
+    assert not p.admit(OFFLOAD) and not p.admit(PERSIST)  # two already waiting or running
+    p.done(OFFLOAD, 0.001)
+    assert p.admit(OFFLOAD)
+    s = p.stats()
+    assert s.stores_admitted == {OFFLOAD: 2, PERSIST: 1}
+    assert s.stores_dropped == {"offload_backlog": 1, "persist_backlog": 1}
+    assert s.stores_pending == 2
+
+
+def test_share_is_a_budget_of_cpu_seconds():
+    t0 = 1000.0
+    p = StorePolicy(max_pending=4, share=0.1, burst_s=0.01, clock=lambda: t0)
+    assert p.allow_run(t0)
+    p.charge(0.05)  # a job that used 50 ms of CPU
+    assert not p.allow_run(t0 + 0.1)  # 10 ms of share earned, 40 ms still owed
+    assert not p.allow_run(t0 + 0.35)
+    assert p.allow_run(t0 + 0.55)  # debt repaid at 10 % of wall time
+    assert p.stats().store_deferrals == 2
+
+
+@pytest.mark.parametrize("kwargs", [{"max_pending": 0}, {"share": 0.0}, {"share": 1.5}])
+def test_bad_settings_are_refused(kwargs):
+    with pytest.raises(ValueError):
+        StorePolicy(**kwargs)
+
+
+def test_store_lane_waits_for_its_share_and_promotions_do_not(tmp_path):
+    """A store queued behind a spent share waits; a promotion submitted after it runs first."""
+    from tierguard.kv.media import BlockSpec
+    from tierguard.kv.transfer import TransferHandler, TransferSpec, TransferWorker
+
+    class One(BlockSpec):
+        medium = "one"
+
+        def __len__(self) -> int:
+            return 1
+
+    class Two(One):
+        medium = "two"
+
+    order: list[str] = []
+
+    class Record(TransferHandler):
+        def run(self, spec, prepared):
+            order.append(spec.route_name)
+            return [True]
+
+    policy = StorePolicy(max_pending=4, share=0.5, burst_s=0.01)
+    policy.charge(0.2)  # the share is spent for the next ~0.4 s
+    worker = TransferWorker(1, num_threads=1, store_policy=policy)
+    worker.register_handler(One, Two, Record())
+    worker.register_handler(Two, One, Record())
+    try:
+        worker.transfer_async(1, TransferSpec(One(), Two()), store=True)
+        worker.transfer_async(2, TransferSpec(Two(), One()))
+        deadline = time.monotonic() + 10
+        while len(order) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert order == ["two_to_one", "one_to_two"]
+        assert policy.stats().store_deferrals > 0
+    finally:
+        worker.shutdown()
+
+
+def test_shutdown_runs_queued_stores_without_waiting_for_the_share():
+    from tierguard.kv.media import BlockSpec
+    from tierguard.kv.transfer import TransferHandler, TransferSpec, TransferWorker
+
+    class A(BlockSpec):
+        medium = "a"
+
+        def __len__(self) -> int:
+            return 1
+
+    class B(A):
+        medium = "b"
+
+    ran = threading.Event()
+
+    class Mark(TransferHandler):
+        def run(self, spec, prepared):
+            ran.set()
+            return [True]
+
+    policy = StorePolicy(max_pending=4, share=0.01)
+    policy.charge(100.0)  # would wait hours for its share
+    worker = TransferWorker(1, store_policy=policy)
+    worker.register_handler(A, B, Mark())
+    worker.transfer_async(1, TransferSpec(A(), B()), store=True)
+    t0 = time.monotonic()
+    worker.shutdown()
+    assert ran.is_set() and time.monotonic() - t0 < 5
