@@ -75,8 +75,14 @@ class LLMEngine:
         # block size) salts the prefix hashes and names the tiers' blocks.
         self.fingerprint = fingerprint(weights_id or model_name, self.runner.kv_layout, vars(model_config))
         self.pool = BlockPool(config.num_blocks, record_evictions=config.tiers_enabled)
+        self.groups = self.runner.groups  # layer groups of the pool (tierguard/kv/groups.py)
         self.block_manager = BlockManager(
-            self.pool, config.block_size, fingerprint_salt(self.fingerprint), config.enable_prefix_caching
+            self.pool,
+            config.block_size,
+            fingerprint_salt(self.fingerprint),
+            config.enable_prefix_caching,
+            groups=self.groups,
+            max_chunk=config.max_num_batched_tokens,
         )
         self.contract: ColdContract | None = None  # the cold contract, when tiers are on
         self.connector = self._make_connector(faults)
@@ -115,7 +121,9 @@ class LLMEngine:
             or (params.top_k is not None and params.top_k < 1)
         ):
             raise TierguardError("sampling params out of range: temperature >= 0, 0 < top_p <= 1, top_k >= 1")
-        blocks = -(-(n + params.max_tokens) // self.config.block_size)
+        blocks = self.groups.sequence_blocks(
+            n + params.max_tokens, self.config.max_num_batched_tokens, self.config.block_size
+        )
         if blocks > self.config.num_blocks:
             raise TierguardError(
                 f"request needs {blocks} KV blocks but the pool has {self.config.num_blocks}; raise the KV budget"
@@ -302,7 +310,7 @@ class LLMEngine:
         self.scheduler.check_integrity()
         refs: dict[int, int] = {}
         for seq in self.scheduler.running:
-            for b in seq.block_table:
+            for b in self.block_manager.held_blocks(seq):
                 refs[b] = refs.get(b, 0) + 1
         for b, n in self.connector.held_refs().items():  # loads and in-flight transfers
             refs[b] = refs.get(b, 0) + n
