@@ -246,9 +246,10 @@ async def _serve(engine, args: argparse.Namespace, model_name: str) -> int:
         print(
             f"{READY_PREFIX}http://{args.host}:{port} (model {model_name}, "
             f"max_model_len {engine.max_model_len}, kv blocks {stats.kv_blocks_total}, "
-            f"weights {weights:.1f} MB {_weights_label(engine, args)})",
+            f"weights {weights:.1f} MB {_weights_label(engine, args)}, compute {engine.engine.compute_path})",
             flush=True,
         )
+        logging.getLogger("tierguard.serve").info("KV pool: %s", engine.engine.describe_kv_groups())
         rule = state.token_bytes
         logging.getLogger("tierguard.serve").info(
             "body limit %d bytes; byte rule %s; header/body timeouts %g/%g s; slow reader at %d bytes",

@@ -167,7 +167,7 @@ class LLMEngine:
         self.contract = ColdContract(options.ttft_budget_ms)
         pool, device_pool = self.pool, self.runner.device_pool
         return TieredConnector.create(
-            pool, device_pool, config.block_size, self.fingerprint, options, self.contract, faults
+            pool, device_pool, config.block_size, self.fingerprint, options, self.contract, faults, self.groups
         )
 
     def _make_scheduler(self) -> Scheduler:
@@ -175,10 +175,33 @@ class LLMEngine:
         if config.naive_sync_disk:  # benchmark only: the failure mode the contract prevents
             from tierguard.baselines.naive_scheduler import make_naive_scheduler
 
+            if self.groups.hybrid:
+                raise TierguardError(
+                    "--kv-naive-sync-disk (a benchmark baseline) pages whole-layer blocks; "
+                    "it does not run models with sliding-window layer groups"
+                )
+
             return make_naive_scheduler(config, bm, self.connector, self.runner.device_pool, self.fingerprint)
         if self.contract is not None:
             return Scheduler(config, bm, self.connector, ContractAdmission(bm, self.contract))
         return Scheduler(config, bm, self.connector, FifoAdmission())
+
+    @property
+    def compute_path(self) -> str:
+        """How steps are computed (the C decode path, or torch for models it does not cover)."""
+        return self.runner.compute_path
+
+    def describe_kv_groups(self) -> str:
+        """The pool's layer groups in one line (one group unless some layers slide)."""
+        groups = self.groups.groups
+        if len(groups) == 1:
+            return f"one group of {len(groups[0].layers)} layers, full attention"
+        full = sum(not g.sliding for g in groups)
+        windows = sorted({g.window for g in groups if g.sliding})
+        return (
+            f"{len(groups)} groups of {self.groups.width} layers: {full} full attention, "
+            f"{len(groups) - full} sliding window {'/'.join(map(str, windows))} (blocks out of the window are freed)"
+        )
 
     def has_unfinished(self) -> bool:
         """Also True while tier transfers are in flight, so their completions are polled
