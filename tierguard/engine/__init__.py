@@ -13,6 +13,7 @@ block_manager.py    block tables and prefix caching on top of the pool
 scheduler.py        continuous batching, chunked prefill, preemption by recompute; connector hooks
 admission.py        admission policies: FIFO, or the cold contract's class order with tiers
 model_runner.py     schedule -> tensors (slots, block tables, positions) -> model; owns the KV pool
+group_metadata.py   per-layer-group attention metadata (sliding-window groups read only their window)
 sampler.py          greedy / temperature / top-k / top-p / seeds, batched
 detokenizer.py      incremental detokenization and stop strings
 llm_engine.py       sync engine: add_request / step / abort, stats, step listeners; builds the connector

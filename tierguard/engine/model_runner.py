@@ -273,7 +273,9 @@ class ModelRunner:
             row += s.num_tokens
             if s.samples:
                 sample_rows.append(row - 1)
-        metas = group_metadata(self.groups, self._device_tables(), rows, spans, b, self.block_size, self.device)
+        metas = group_metadata(
+            self.groups, self._device_tables(), rows, spans, b, self.block_size, self.device, self.dtype
+        )
         meta = metas[0]
         meta.groups = metas
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
