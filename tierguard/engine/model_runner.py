@@ -117,7 +117,7 @@ class ModelRunner:
     def compute_path(self) -> str:
         """How steps are computed, for serve's ready line and logs."""
         return getattr(
-            self.model, "compute_path", "C decode kernel + fused step" if self.native_decode else "torch (SDPA)"
+            self.model, "compute_path", "C decode kernels" if self.native_decode else "torch (SDPA attention)"
         )
 
     @property
