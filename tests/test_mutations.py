@@ -129,6 +129,21 @@ MUTANTS = [
         ("tests/engine/test_hf_parity.py::test_parity_variants[qwen2]",),
         slow=True,  # ~12 s of CPU: transformers' import and forward
     ),
+    Mutant(
+        "pool: blocks out of a sliding window are never freed",
+        "tierguard/engine/block_manager.py",
+        "        if self.num_groups == 1 or not seq.block_table:\n            return 0",
+        "        if True:\n            return 0",
+        ("tests/engine/test_gemma3_window.py::test_sliding_groups_hold_only_the_window",),
+    ),
+    Mutant(
+        "gemma3: sliding layers attend beyond their window",
+        "tierguard/engine/group_metadata.py",
+        "    if window is not None:\n        mask &= keys > queries - window",
+        "    if False:\n        mask &= keys > queries - window",
+        ("tests/engine/test_gemma3_window.py::test_greedy_and_logits_match_transformers_past_the_window",),
+        slow=True,  # transformers' import and forward
+    ),
 ]
 FAST = [m for m in MUTANTS if not m.slow]
 
