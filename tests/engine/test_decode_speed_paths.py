@@ -105,7 +105,8 @@ def _quantized_bytes(float_model, kind: str) -> int:
 # rms logit error over the prefill and 11 decode steps, on random weights (more sensitive to
 # quantization than a trained model's): int8 groups of 32 ~0.01, int4 ~0.1 -- an int4 model
 # that ran int8 would sit below int4's floor, one that ran float32 at 0
-@pytest.mark.parametrize("weight_dtype,min_err,max_err", [("int8", 1e-4, 0.03), ("int4", 0.04, 0.3)])
+@pytest.mark.parametrize("weight_dtype,min_err,max_err", [("int8", 1e-4, 0.03), ("int4", 0.04, 0.3)],
+                         ids=["int8", "int4"])
 def test_quantized_engine_generates_close_to_float(tiny_dir, weight_dtype, min_err, max_err):
     from tierguard.model import fused_decode
     from tierguard.model.qlinear import Int4Linear, Int8Linear, QuantEmbedding

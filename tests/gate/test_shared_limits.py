@@ -96,12 +96,16 @@ def test_queue_bound_and_class_order_are_fleet_wide(redis_server):
             await asyncio.sleep(0.02)
             gate.release(ticket)
 
+        async def queued(gate: SharedAdmission, waits: int) -> None:  # its waiter is in the fleet's queue
+            while gate.counters.waits < waits:
+                await asyncio.sleep(0.01)
+
         batch = asyncio.create_task(wait_then_note(a, RequestInfo(10, priority="batch"), "batch-on-a"))
-        await asyncio.sleep(0.05)
+        await asyncio.wait_for(queued(a, 1), 30)
         first = asyncio.create_task(wait_then_note(b, RequestInfo(10), "interactive-on-b"))
-        await asyncio.sleep(0.05)
+        await asyncio.wait_for(queued(b, 1), 30)
         second = asyncio.create_task(wait_then_note(a, RequestInfo(10), "interactive-on-a"))
-        await asyncio.sleep(0.05)
+        await asyncio.wait_for(queued(a, 2), 30)
         # two interactive waiters across both gates fill the interactive queue (max_queue 2)
         with pytest.raises(Rejected) as full:
             await b.acquire(RequestInfo(10))

@@ -57,6 +57,8 @@ def smollm2():
 
 
 THREADS = 2
+# transformers' GGUF load and forward passes take minutes on two busy cores, not seconds
+pytestmark = pytest.mark.timeout(1800)
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 TEXT_TOKENS = 768
 
