@@ -3,7 +3,7 @@
 A mutant is one exact text replacement in the package, plus the default tests that must
 kill it. It names its file by globs (`tierguard/model/**/*.c`), and its text must occur
 exactly once across all the files they match, so a mutant that no longer matches the code
-(the code moved on) fails here loudly instead of passing silently, while a function that
+(the code moved on) fails loudly instead of passing silently, while a function that
 moves to another file under the same globs keeps its mutant. Every mutant's text, the
 slow ones' included, is checked against the code in the default suite.
 
@@ -299,7 +299,7 @@ def pristine_slow(tmp_path_factory) -> Path:
 
 def test_every_mutant_matches_the_code_once_and_names_real_tests():
     """Cheap and in the default suite, for the slow mutants too: a stale text or a renamed
-    killing test shows here, not only in `make test-all`."""
+    killing test shows in `make test`, not only in `make test-all`."""
     for m in MUTANTS:
         locate(m, ROOT)
     killers = sorted({k for m in MUTANTS for k in m.killers})

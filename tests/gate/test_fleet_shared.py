@@ -93,7 +93,7 @@ def test_two_gates_share_the_limit_and_a_killed_gates_slots_come_back_by_expiry(
     assert expiries >= 1
     # and the upstream ran the full limit again after the kill: a's slots came back by
     # expiry (b reaped them: its counter), not by a release. How soon is measured by
-    # bench/fleet_shared_limits.py, not asserted here.
+    # bench/fleet_shared_limits.py, not asserted in a unit test.
     assert any(n == LIMIT for t, n in rows if t > killed), rows[-60:]
 
 
