@@ -40,7 +40,7 @@ TARGETS = {"int8": 0.98, "int4": 0.9}
 
 def resolve_model(spec: str) -> Path:
     try:
-        from tierguard.model.registry import resolve_model as resolve  # issue 10's resolver
+        from tierguard.model.registry import resolve_model as resolve  # tiny, smollm2, a .gguf or a directory
     except ImportError:
         return Path(spec)
     return Path(resolve(spec))

@@ -169,8 +169,8 @@ MUTANTS = [
     Mutant(
         "scheduler: a wave member never holds its last prompt token",
         ENGINE,
-        "return members > 1 or self._joinable(members, queued)",
-        "return False",
+        "if members > 1 or self._joinable(budget, members, queued):",
+        "if False:",
         ("tests/engine/test_decode_speed_paths.py::"
          "test_under_a_tight_slo_a_wave_prefills_together_and_starts_decoding_in_one_step",),
     ),
