@@ -194,6 +194,7 @@ class TierScheduler:
             self._abandoned[id(load)] = load
         else:  # only host blocks, pinned: release them
             self.manager.complete_load(load.plan, 0)
+        self._observe(self.clock() - load.started)
         log.info("load of %s abandoned: %s", load.req_id, why)
 
     def _finish_load(self, load: _Load) -> None:
@@ -204,6 +205,9 @@ class TierScheduler:
         c.blocks_loaded += load.keep
         for b in load.plan.blocks[: load.keep]:
             c.blocks_loaded_from[b.source] = c.blocks_loaded_from.get(b.source, 0) + 1
+        self._observe(seconds)
+
+    def _observe(self, seconds: float) -> None:
         with self._stats_lock:
             self._load_hist.observe(seconds)
             self._load_seconds.append(seconds)

@@ -20,8 +20,8 @@ from tierguard.common.histogram import LatencyHistogram
 from tierguard.common.stats import COUNTER, counter, gauge, group, samples
 from tierguard.kv.connector import TierStats
 
-# Seconds from allocation to the blocks in host RAM: a host hit is well under 1 ms, a
-# cold NVMe prefix tens of ms, a stalled tier the deadline.
+# Seconds from allocation to the load's end: a host hit is about a millisecond, a cold NVMe
+# prefix tens of ms, a stalled tier the deadline.
 LOAD_BUCKETS: tuple[float, ...] = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 )  # fmt: skip
@@ -56,7 +56,7 @@ def families(stats: ConnectorStats, model_name: str) -> Iterator:
         yield fam
     h = HistogramMetricFamily(
         "tierguard:kv_load_latency_seconds",
-        "From vLLM allocating a load's blocks to the blocks in host RAM (or the load given up).",
+        "From vLLM allocating a load's blocks to the load's end: copied in, or handed back to recompute.",
         labels=["model_name"],
     )
     h.add_metric([model_name], stats.load_latency.cumulative(), sum_value=stats.load_latency.total_s)
