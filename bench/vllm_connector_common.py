@@ -330,7 +330,7 @@ async def chats_with_longs(
             for c, p in zip(chats, chat_prompts, strict=True)
         ]
         warm_end = time.monotonic() + timeout_s
-        while min(len(c.events) for c in chats) < warm_tokens:
+        while chats and min(len(c.events) for c in chats) < warm_tokens:
             if time.monotonic() > warm_end or any(t.done() for t in chat_tasks):
                 break
             await asyncio.sleep(0.01)

@@ -24,8 +24,9 @@ from tierguard.serve.tier_flags import tier_kwargs
 
 GIB = 1 << 30
 
-# Serve's flags (snake case) and their defaults there; kv_host_gib is the staging area too,
-# so the connector needs it positive and gives it a default.
+# Serve's flags (snake case) and their defaults there, except two: kv_host_gib is the
+# staging area too, so the connector needs it positive and gives it a default; and the
+# Redis timeout (below).
 _SERVE_OPTIONS: dict[str, Any] = {
     "kv_host_gib": 1.0,
     "kv_disk_dir": None,
@@ -34,7 +35,9 @@ _SERVE_OPTIONS: dict[str, Any] = {
     "kv_remote_url": None,
     "kv_remote_ttl_s": 3600.0,
     "kv_remote_gib": 1.0,
-    "kv_remote_timeout_ms": 50.0,
+    # vLLM's blocks are large (128 tokens: about 3 MB for a 135M model, 16 MB for an 8B one),
+    # so a Redis round trip carrying them needs more than serve's 50 ms.
+    "kv_remote_timeout_ms": 500.0,
     "kv_encrypt_key_file": None,
     "kv_encrypt_old_key_file": None,
     "ttft_budget_ms": None,

@@ -316,9 +316,11 @@ class TierScheduler:
     # ---- queries ----
 
     def has_pending_work(self) -> bool:
-        """Ops to hand out, copies or tier jobs running: vLLM keeps stepping (so their
-        completions are seen) until they end."""
-        return bool(self._stores or self._out_stores or self._out_loads or self._jobs)
+        """Ops to hand out or store copies not yet reported: vLLM keeps stepping until they
+        end (a finished request's blocks are freed only then). Tier jobs do not keep it
+        stepping: their completions are handled at the next step, whenever it comes (a
+        load's request waits in vLLM, which steps for it anyway)."""
+        return bool(self._stores or self._out_stores or self._out_loads)
 
     def stats(self) -> ConnectorStats:
         c = self._c
