@@ -68,6 +68,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deadline-ms", type=float, default=1000.0)
     p.add_argument("--batch-deadline-ms", type=float, default=4000.0)
     p.add_argument("--tiers", default="disk,redis")
+    p.add_argument(
+        "--redis-timeout-ms",
+        type=float,
+        default=2000.0,
+        help="kv_remote_timeout_ms: above the interactive deadline, so a loaded machine that starves "
+        "redis-server for a moment is no fault; a stopped Redis then meets the deadline first",
+    )
     p.add_argument("--work-dir", default=None)
     p.add_argument("--cache", default=str(Path.home() / ".cache" / "tierguard"))
     return p.parse_args(argv)
@@ -91,7 +98,7 @@ def run_tier(tier: str, args, model: Path, work: Path, seed: int) -> dict:
         extra.update(kv_disk_dir=str(work / "disk"), kv_disk_gib=4)
     else:
         redis = RedisServer().start()
-        extra.update(kv_remote_url=redis.url, kv_remote_gib=2)
+        extra.update(kv_remote_url=redis.url, kv_remote_gib=2, kv_remote_timeout_ms=args.redis_timeout_ms)
     server = VllmServer(
         tier, model, work / "logs", tierguard_config(extra), env={"VLLM_SERVER_DEV_MODE": "1"}
     )

@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def conn(disk: Path, port: int) -> dict:
         return tierguard_config({"kv_host_gib": 0.5, "kv_disk_dir": str(disk), "kv_disk_gib": 4,
-                                 "kv_remote_url": redis.url, "metrics_port": port, "host_shm_dir": str(work / "shm")})  # fmt: skip
+                                 "kv_remote_url": redis.url, "kv_remote_timeout_ms": 3000,  # a loaded machine is no fault
+                                 "metrics_port": port, "host_shm_dir": str(work / "shm")})  # fmt: skip
 
     logs = work / "logs"
     d1, d2 = work / "d1", work / "d2"

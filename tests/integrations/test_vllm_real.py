@@ -17,8 +17,8 @@ of the two may differ, with or without a connector):
 - B loads from Redis a prefix A wrote;
 - a disk read stalled for 60 s costs a request its class deadline (interactive 1 s, batch
   3 s), not the stall: vLLM recomputes the blocks the connector reports, counted;
-- Redis under SIGSTOP: the load fails at the Redis timeout, the prefix is recomputed, the
-  request completes.
+- Redis under SIGSTOP: the load is given back at its deadline, the prefix is recomputed,
+  the request completes.
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ DEADLINES = {"interactive": 1000, "batch": 3000}
 SEEDS = {"long": (1, 2200), "corrupt": (2, 1100), "redis": (3, 1100), "stall_i": (4, 1100), "stall_b": (5, 1100),
          "redis_stop": (6, 1100)}  # fmt: skip
 OUT_TOKENS = 12
+# Longer than the interactive deadline: a loaded 2-core machine can starve redis-server for
+# hundreds of ms while it moves 3 MB blocks; a stopped Redis then meets the deadline first.
+REDIS_TIMEOUT_MS = 3000
 
 
 async def _complete(url: str, name: str, prompt: list[int], **extra) -> dict:
@@ -73,7 +76,8 @@ def cluster(vllm_ready, tmp_path_factory, request):
 
     def connector(disk: Path, port: int, fault_file: Path | None = None) -> dict:
         extra = {"kv_host_gib": 0.5, "kv_disk_dir": str(disk), "kv_disk_gib": 2, "kv_remote_url": redis.url,
-                 "load_deadline_ms": DEADLINES, "metrics_port": port, "host_shm_dir": str(tmp / "shm")}  # fmt: skip
+                 "load_deadline_ms": DEADLINES, "metrics_port": port, "host_shm_dir": str(tmp / "shm"),
+                 "kv_remote_timeout_ms": REDIS_TIMEOUT_MS}  # fmt: skip
         if fault_file is not None:
             extra["fault_file"] = str(fault_file)
         return tierguard_config(extra)
@@ -210,8 +214,11 @@ def test_redis_under_sigstop_is_recomputed_and_never_hangs(cluster):
     assert got["text"] == cluster["ref"]["redis_stop"]["text"]
     m = metrics(port)
     assert m["load_error_blocks"] - before["load_error_blocks"] == 1100 // 128, m
-    assert m.get("remote_errors", 0) > before.get("remote_errors", 0), m
-    # A stopped Redis is a timeout (kv_remote_timeout_ms, 500 ms), not a wait: the load was
-    # handed back by the interactive deadline (plus at most a few engine steps).
+    gave_up = sum(
+        m.get(k, 0) - before.get(k, 0)
+        for k in ("staging_deadline_misses_interactive", "staging_failures_interactive")
+    )
+    assert gave_up == 1, m  # the deadline, or the Redis timeout if it came first
+    # A stopped Redis costs the load its deadline at most (plus a few engine steps).
     given_back_after = m["load_latency_sum_s"] - before["load_latency_sum_s"]
     assert given_back_after <= DEADLINES["interactive"] / 1000 + 3.0, given_back_after
