@@ -137,7 +137,7 @@ def _serve_once(url: str, prompt: list[int], name: str) -> None:
 
 
 def _pick(m: dict) -> dict:
-    keys = ("blocks_loaded_from_disk", "load_error_blocks", "tier_recomputes", "staging_deadline_misses_interactive",
+    keys = ("blocks_loaded_from_disk", "blocks_loaded_from_host", "load_error_blocks", "tier_recomputes", "staging_deadline_misses_interactive",
             "persisted_blocks", "disk_hits", "dropped_stores")  # fmt: skip
     return {k: m.get(k, 0.0) for k in keys}
 
