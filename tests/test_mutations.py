@@ -68,6 +68,7 @@ TIERS_RESTART = "tests/engine/test_tiers.py::test_prefix_reload_from_disk_after_
 HF_PARITY = "tests/engine/test_hf_parity.py::test_batched_chunked_prefill_and_prefix_hits"
 HF_PARITY_PER_OP = "tests/engine/test_hf_parity.py::test_parity_variants[qwen3]"
 REMOTE_GUARD = "tests/engine/test_remote_tier_engine.py::test_a_prefix_written_by_one_engine_is_loaded_by_another"
+VLLM_LOGIC = "tests/integrations/test_vllm_connector_logic.py"
 
 MUTANTS = [
     Mutant(
@@ -231,6 +232,28 @@ MUTANTS = [
         "    if False:\n        mask &= keys > queries - window",
         ("tests/engine/test_gemma3_window.py::test_greedy_and_logits_match_transformers_past_the_window",),
         slow=True,  # transformers' import and forward
+    ),
+    Mutant(
+        "vLLM connector: a load past its class deadline keeps the request waiting",
+        "tierguard/integrations/vllm/scheduler.py",
+        'if load.state == "staging" and now > load.deadline:',
+        "if False:",
+        (f"{VLLM_LOGIC}::test_a_stalled_disk_read_is_given_back_at_the_interactive_deadline",),
+    ),
+    Mutant(
+        "vLLM connector: cold blocks staged on the calling (forward) thread",
+        "tierguard/integrations/vllm/scheduler.py",
+        "self._submit(spec, lambda r, load=load, blocks=blocks: self._on_staged(load, blocks, r))",
+        'self._on_staged(load, blocks, TransferResult(0, True, self.worker._handlers[spec.route].run(spec, None), 0, ""))',
+        ("tests/integrations/test_vllm_connector_spy.py::test_no_medium_read_runs_on_the_forward_thread",),
+    ),
+    Mutant(
+        "vLLM connector: a full store queue still queues the store",
+        "tierguard/integrations/vllm/scheduler.py",
+        "if self._queued_blocks + new > self.config.store_queue_blocks:",
+        "if False:",
+        (f"{VLLM_LOGIC}::test_a_full_store_queue_drops_the_store_and_never_waits",),
+        slow=True,
     ),
 ]
 FAST = [m for m in MUTANTS if not m.slow]
