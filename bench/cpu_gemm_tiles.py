@@ -8,6 +8,8 @@ own source with its flags (tierguard/model/native.py) into one small harness, an
 alternately in the same process on SmolLM2's layer shapes (float32 weight rows, as the
 int8 / int4 paths widen them per 16-row block), split over OpenMP threads in 16-row
 blocks as the engine does. Prints one JSON object: median GFMA/s of each and their ratio.
+The two must compute the same products (max |difference| under MAX_DIFF on these inputs,
+|y| up to ~80): a fast kernel that computes something else is `"valid": false`.
 
     python bench/cpu_gemm_tiles.py [--threads 2] [--reps 15]
 """
@@ -27,6 +29,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tierguard.model import native  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "bench"))
+from validity import Validity  # noqa: E402
+
+MAX_DIFF = 1e-2  # float32 sums of up to 1536 products of |w| <= 0.1, |x| <= 0.5 in another order
 
 SHAPES = [(3072, 576), (576, 1536), (576, 576)]  # gate_up, down, o (N x K)
 ROWS = [12, 16, 24, 32, 48, 64]
@@ -85,6 +92,16 @@ def build(workdir: Path) -> Path:
     return exe
 
 
+def judge(rows: list[dict]) -> dict:
+    v = Validity()
+    v.require(bool(rows), "no shape was measured")
+    for r in rows:
+        shape = f"{r['n']}x{r['k']}, {r['rows']} rows"
+        v.require(r["max_abs_diff"] < MAX_DIFF, f"{shape}: the tiled and row kernels differ by {r['max_abs_diff']}")
+        v.require(r["tiled_gfma_s"] > 0 and r["row_loop_gfma_s"] > 0, f"{shape}: a kernel took no measurable time")
+    return v.as_dict()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
@@ -129,6 +146,7 @@ def main() -> int:
                 "speedup_min": speedups[0],
                 "speedup_median": speedups[len(speedups) // 2],
                 "speedup_max": speedups[-1],
+                **judge(rows),
                 "shapes": rows,
             },
             indent=2,

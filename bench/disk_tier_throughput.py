@@ -9,7 +9,9 @@ disks store zero blocks as holes, and reading them back measured 2.3 GB/s agains
 Read: both measured twice. "cold": each file's pages are dropped first with
 posix_fadvise(DONTNEED) (works without root for clean pages; a device or hypervisor cache
 below the page cache may still help). "warm": read again straight after, from page cache.
-Prints one JSON object; the goal is tier/dd >= 0.8 for write and cold read.
+Prints one JSON object; the goal is tier/dd >= 0.8 for write and cold read, judged only
+on a valid run: one in which every block read back passed its checksum and every rate
+was measured (`"valid"`, `"invalid_reasons"`).
 `--encrypt` adds, in every round, the same tier passes with the AES-256-GCM codec of
 `--kv-encrypt-key-file` (`tier_enc_*`), and `enc_to_plain_*`: what encryption costs.
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -37,6 +40,9 @@ from tierguard.kv.media import block_format as blk  # noqa: E402
 from tierguard.kv.media.aead_codec import AesGcmCodec  # noqa: E402
 from tierguard.kv.media.disk import format as fmt  # noqa: E402
 from tierguard.kv.media.disk.tier import DiskTier  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from validity import Validity  # noqa: E402
 
 FP = "b0b0b0b0b0b0b0b0"
 GB = 1e9
@@ -162,16 +168,23 @@ def bench(
 
 
 def summarize(rounds: list[dict]) -> dict:
-    """Median of each rate and ratio over the rounds; the per-round values stay in `rounds`."""
+    """Median of each rate and ratio over the rounds (the per-round values stay in
+    `rounds`), the run's validity and its goal."""
     keys = [k for k in rounds[0] if k.endswith("_gbps") or k.startswith(("ratio_", "enc_to_plain_"))]
     out = {k: v for k, v in rounds[0].items() if k not in keys}
     for k in ("tier_checksum_failures", "tier_enc_checksum_failures"):
         if k in rounds[0]:
             out[k] = sum(r[k] for r in rounds)
+    v = Validity()
+    for k in ("tier_checksum_failures", "tier_enc_checksum_failures"):
+        v.require(not out.get(k), f"{k}: {out.get(k)} blocks read back failed their checksum")
     for k in keys:
-        out[k] = round(statistics.median(r[k] for r in rounds), 3)
-    out["meets_goal"] = out["ratio_write"] >= 0.8 and out["ratio_read_cold"] >= 0.8
-    out["rounds"] = [{k: round(r[k], 3) for k in keys} for r in rounds]
+        bad = [r[k] for r in rounds if not (r[k] > 0 and math.isfinite(r[k]))]
+        v.require(not bad, f"{k}: not measured in {len(bad)} round(s)")
+        out[k] = round(statistics.median(r[k] for r in rounds), 3) if not bad else None
+    out.update(v.as_dict())
+    out["meets_goal"] = v.goal(v.valid and out["ratio_write"] >= 0.8 and out["ratio_read_cold"] >= 0.8)
+    out["rounds"] = [{k: round(r[k], 3) if math.isfinite(r[k]) else None for k in keys} for r in rounds]
     return out
 
 

@@ -208,25 +208,11 @@ def _variant(route: str, a: argparse.Namespace, chats: list, tmp: str) -> dict:
             c.stop()
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--chats", type=int, default=12)
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--concurrency", type=int, default=4, help="chats in progress at once")
-    p.add_argument("--doc-words", type=int, default=400, help="words in each chat's own document")
-    p.add_argument("--max-tokens", type=int, default=8, help="output tokens per turn (ignore_eos)")
-    p.add_argument("--think-ms", type=float, default=300.0, help="longest pause before a turn (uniform, seeded)")
-    p.add_argument("--seed", type=int, default=13)
-    a = p.parse_args()
-    chats = _chats(a.chats, a.turns, a.doc_words, a.seed)
+def judge(out: dict) -> dict:
+    """Adds the run's validity, the TTFT ratios and the goal to `out` (both variants run)."""
     v = Validity()
-    out: dict = {"bench": "fleet_prefix_routing", "chats": a.chats, "turns": a.turns, "concurrency": a.concurrency,
-                 "doc_words": a.doc_words, "max_tokens": a.max_tokens, "think_ms": a.think_ms, "replicas": 2,
-                 "variants": {}}
-    with tempfile.TemporaryDirectory(prefix="tierguard-fleet-") as tmp:
-        for route in ("prefix", "round-robin"):
-            res = out["variants"][route] = _variant(route, a, chats, tmp)
-            v.require(not res["errors"], f"{route}: " + count_errors(res["errors"]))
+    for route, res in out["variants"].items():
+        v.require(not res["errors"], f"{route}: " + count_errors(res["errors"]))
     pre, rr = out["variants"]["prefix"], out["variants"]["round-robin"]
     v.require(pre["prompt_tokens"] == rr["prompt_tokens"] and pre["prompt_tokens"] > 0,
               f"the variants sent different prompt tokens ({pre['prompt_tokens']} vs {rr['prompt_tokens']})")
@@ -243,6 +229,27 @@ def main() -> int:
                                                               / rr["p99_followup_ttft_ms"], 3)
     hit_p, hit_r = pre["prefix_cache_hit_rate"], rr["prefix_cache_hit_rate"]
     out["goal_prefix_hit_rate_above_round_robin"] = v.goal(hit_p is not None and hit_r is not None and hit_p > hit_r)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--chats", type=int, default=12)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--concurrency", type=int, default=4, help="chats in progress at once")
+    p.add_argument("--doc-words", type=int, default=400, help="words in each chat's own document")
+    p.add_argument("--max-tokens", type=int, default=8, help="output tokens per turn (ignore_eos)")
+    p.add_argument("--think-ms", type=float, default=300.0, help="longest pause before a turn (uniform, seeded)")
+    p.add_argument("--seed", type=int, default=13)
+    a = p.parse_args()
+    chats = _chats(a.chats, a.turns, a.doc_words, a.seed)
+    out: dict = {"bench": "fleet_prefix_routing", "chats": a.chats, "turns": a.turns, "concurrency": a.concurrency,
+                 "doc_words": a.doc_words, "max_tokens": a.max_tokens, "think_ms": a.think_ms, "replicas": 2,
+                 "variants": {}}
+    with tempfile.TemporaryDirectory(prefix="tierguard-fleet-") as tmp:
+        for route in ("prefix", "round-robin"):
+            out["variants"][route] = _variant(route, a, chats, tmp)
+    judge(out)
     out.update(cpus=os.cpu_count(), loadavg_1m=round(os.getloadavg()[0], 2))
     print(json.dumps(out, indent=2))
     return 0

@@ -110,6 +110,45 @@ async def _run(a: argparse.Namespace, upstream: str, gates: list[str], killer) -
             "upstream": upstream_health, "survivor": survivor}
 
 
+def report(a: argparse.Namespace, r: dict) -> dict:
+    """The run's validity, its figures and goals, from what `_run` recorded."""
+    v = Validity()
+    results, killed_at, start, samples = r["results"], r["killed_at"], r["start"], r["samples"]
+    survivor = [x for g, x in results if g == 1]
+    odd = sorted({str(x["status"]) for x in survivor} - {"200", "429"})
+    v.require(not odd, f"the surviving gate answered {odd} (only 200 or 429 are right)")
+    v.require(all(x.get("complete") for x in survivor if x["status"] == 200), "an admitted stream was cut short")
+    v.require(any(x["status"] == 429 for _, x in results), "nobody got a 429: the flood was not an overload")
+    v.require((r["held_by_killed_gate"] or 0) >= 1, "the killed gate held no slot: nothing had to come back")
+    v.require(r["slots_back_s"] is not None, "the upstream never ran the full limit again after the kill")
+    killed_gate_before = [x for g, x in results if g == 0 and x["sent"] < killed_at]
+    statuses: dict = {}
+    for g, x in results:
+        key = f"gate{g}_{'before' if x['sent'] < killed_at else 'after'}_kill"
+        statuses.setdefault(key, {}).setdefault(str(x["status"]), 0)
+        statuses[key][str(x["status"])] += 1
+    sampled_max = max(n for _, n in samples)
+    return {
+        **v.as_dict(),
+        "rate_rps": r["rate_rps"], "capacity_rps": r["capacity_rps"], "requests": len(results),
+        "statuses": statuses, "killed_gate_requests_before_kill": len(killed_gate_before),
+        "upstream_max_in_flight": r["upstream"]["max_active"], "upstream_sampled_max_in_flight": sampled_max,
+        "upstream_samples": len(samples),
+        "held_by_killed_gate_at_kill": r["held_by_killed_gate"],
+        "upstream_low_after_kill": r["upstream_low_after_kill"],
+        "slots_back_s": None if r["slots_back_s"] is None else round(r["slots_back_s"], 3),
+        "lease_s": a.lease_ms / 1000,
+        "survivor_counters": r["survivor"],
+        "goal_upstream_never_above_limit": v.goal(r["upstream"]["max_active"] <= a.limit),
+        "slack_s": a.slack_ms / 1000,
+        "goal_slots_back_within_lease_plus_slack": v.goal(r["slots_back_s"] is not None
+                                                          and r["slots_back_s"] <= (a.lease_ms + a.slack_ms) / 1000),
+        "admitted_rps_after_kill": round(sum(1 for g, x in results if x["sent"] >= killed_at and x["status"] == 200)
+                                         / max(1e-9, a.seconds - (killed_at - start)), 1),
+        "cpus": os.cpu_count(), "loadavg_1m": round(os.getloadavg()[0], 2),
+    }
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--limit", type=int, default=8, help="--max-concurrency shared by both gates")
@@ -146,41 +185,7 @@ def main() -> int:
         finally:
             for child, _ in gates:
                 child.stop()
-    results, killed_at, start = r.pop("results"), r.pop("killed_at"), r.pop("start")
-    samples = r.pop("samples")
-    survivor = [x for g, x in results if g == 1]
-    odd = sorted({str(x["status"]) for x in survivor} - {"200", "429"})
-    v.require(not odd, f"the surviving gate answered {odd} (only 200 or 429 are right)")
-    v.require(all(x.get("complete") for x in survivor if x["status"] == 200), "an admitted stream was cut short")
-    v.require(any(x["status"] == 429 for _, x in results), "nobody got a 429: the flood was not an overload")
-    v.require((r["held_by_killed_gate"] or 0) >= 1, "the killed gate held no slot: nothing had to come back")
-    v.require(r["slots_back_s"] is not None, "the upstream never ran the full limit again after the kill")
-    killed_gate_before = [x for g, x in results if g == 0 and x["sent"] < killed_at]
-    statuses: dict = {}
-    for g, x in results:
-        key = f"gate{g}_{'before' if x['sent'] < killed_at else 'after'}_kill"
-        statuses.setdefault(key, {}).setdefault(str(x["status"]), 0)
-        statuses[key][str(x["status"])] += 1
-    sampled_max = max(n for _, n in samples)
-    out.update(v.as_dict())
-    out.update({
-        "rate_rps": r["rate_rps"], "capacity_rps": r["capacity_rps"], "requests": len(results),
-        "statuses": statuses, "killed_gate_requests_before_kill": len(killed_gate_before),
-        "upstream_max_in_flight": r["upstream"]["max_active"], "upstream_sampled_max_in_flight": sampled_max,
-        "upstream_samples": len(samples),
-        "held_by_killed_gate_at_kill": r["held_by_killed_gate"],
-        "upstream_low_after_kill": r["upstream_low_after_kill"],
-        "slots_back_s": None if r["slots_back_s"] is None else round(r["slots_back_s"], 3),
-        "lease_s": a.lease_ms / 1000,
-        "survivor_counters": r["survivor"],
-        "goal_upstream_never_above_limit": v.goal(r["upstream"]["max_active"] <= a.limit),
-        "slack_s": a.slack_ms / 1000,
-        "goal_slots_back_within_lease_plus_slack": v.goal(r["slots_back_s"] is not None
-                                                          and r["slots_back_s"] <= (a.lease_ms + a.slack_ms) / 1000),
-        "admitted_rps_after_kill": round(sum(1 for g, x in results if x["sent"] >= killed_at and x["status"] == 200)
-                                         / max(1e-9, a.seconds - (killed_at - start)), 1),
-        "cpus": os.cpu_count(), "loadavg_1m": round(os.getloadavg()[0], 2),
-    })
+    out.update(report(a, r))
     print(json.dumps(out, indent=2))
     return 0
 

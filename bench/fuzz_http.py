@@ -8,7 +8,10 @@ check_integrity() with no block held.
 
     .venv/bin/python bench/fuzz_http.py --cases 5000
 Prints one JSON document: cases, answers by status, problems (malformed answers, 5xx),
-log records with a traceback or at ERROR, and the after-checks.
+log records with a traceback or at ERROR, and the after-checks. The run is `"valid"`
+when the cases asked for were sent and answered (a harness that sent nothing, or whose
+servers answered nothing, found nothing); the goal, judged on a valid run: no problem,
+no 5xx, no traceback, both servers alive, the engine idle and its pool intact.
 """
 
 from __future__ import annotations
@@ -20,6 +23,18 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from validity import Validity  # noqa: E402
+
+
+def judge(out: dict, asked: int) -> dict:
+    v = Validity()
+    answered = sum(out["statuses"].values())
+    v.require(out["cases"] >= asked, f"{out['cases']} cases sent of {asked} asked")
+    v.require(answered > 0, "no answer at all: the servers were not exercised")
+    ok = (out["problems"] == 0 and out["5xx"] == 0 and out["tracebacks_or_errors_in_logs"] == 0
+          and out["servers_alive_after"] and out["engine_idle_after"] and out["block_pool_integrity"] == "ok")
+    return {**v.as_dict(), "goal_no_problem": v.goal(ok)}
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -51,12 +66,13 @@ def main(args: argparse.Namespace) -> dict:
             integrity = f"FAILED: {exc}"
     finally:
         fuzz.stop()
-    return {"cases": fuzz.cases, "seed": args.seed, "seconds": round(elapsed, 1),
+    out = {"cases": fuzz.cases, "seed": args.seed, "seconds": round(elapsed, 1),
             "statuses": {str(k): v for k, v in sorted(fuzz.statuses.items(), key=lambda kv: str(kv[0]))},
             "5xx": sum(v for k, v in fuzz.statuses.items() if isinstance(k, int) and k >= 500),
             "problems": len(problems), "problem_examples": problems[:5],
             "tracebacks_or_errors_in_logs": len(fuzz.bad_logs.records), "log_examples": fuzz.bad_logs.records[:5],
             "servers_alive_after": alive, "engine_idle_after": idle, "block_pool_integrity": integrity}
+    return {**out, **judge(out, args.cases)}
 
 
 if __name__ == "__main__":

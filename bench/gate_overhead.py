@@ -199,8 +199,7 @@ def main() -> None:
                         for k, v in pooled[mode].items():
                             v.extend(got[k])
                         unpaired[mode] += got["unpaired"]
-                for mode, bad in unpaired.items():
-                    run.require(bad == 0, f"{n} streams, {mode}: {bad} streams not paired with the server's writes")
+                judge_level(run, n, a.rounds * a.trials, unpaired, pooled)
                 direct, via, direct_b = (_summary(pooled[m]) for m in ("direct", "gate", "direct_b"))
                 kind = "delivery" if all("delivery_p50_ms" in d for d in (direct, via, direct_b)) else "sched_late"
                 added = _diff(via, direct, kind)
@@ -232,6 +231,15 @@ def main() -> None:
         "goal": "p99 added per chunk < 1 ms at 100 streams",
         "goal_met": None if at100 is None else run.goal(at100["added_per_chunk_ms"]["p99"] < 1.0),
     }, indent=2))
+
+
+def judge_level(run: Validity, n: int, per_stream: int, unpaired: dict, pooled: dict) -> None:
+    """A level is valid when every stream of every mode ran (a first chunk each) and was
+    paired with the server's record of its writes."""
+    for mode, bad in unpaired.items():
+        run.require(bad == 0, f"{n} streams, {mode}: {bad} streams not paired with the server's writes")
+        got = len(pooled[mode]["ttft"])
+        run.require(got == n * per_stream, f"{n} streams, {mode}: {got} of {n * per_stream} streams delivered a chunk")
 
 
 def _diff(a: dict, b: dict, kind: str) -> dict:

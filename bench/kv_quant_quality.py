@@ -13,6 +13,11 @@ Prints one JSON document:
 - decode_speed: median decode step (TPOT) of the tiny model per mode, same workload
   (quantize-on-write and dequantize-on-read are not free on a CPU).
 
+The run is `"valid"` only if it measured what it reports: the int8 / fp8 pools hold fewer
+bytes per token than auto, a quantized pool's attention differs from fp32 at all (zero
+error means the quantization did not happen), every error is finite, and the agreement
+rows cover both quantized modes with values in range.
+
 Usage: .venv/bin/python bench/kv_quant_quality.py [--steps 512] [--prompt 1024] [--quick]
 """
 
@@ -20,7 +25,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import statistics
+import sys
 import tempfile
 import time
 
@@ -35,6 +43,9 @@ from tierguard.kv.quant import attention_error, random_qkv
 from tierguard.model.config import ModelConfig
 from tierguard.model.loader import load_model
 from tierguard.model.tiny import create_tiny, ensure_tiny_model
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from validity import Validity  # noqa: E402
 
 MODES = ("auto", "int8", "fp8")
 
@@ -137,6 +148,26 @@ def model_agreement(model_dir, name: str, prompt_len: int, steps: int) -> dict:
     }
 
 
+def judge(result: dict) -> dict:
+    v = Validity()
+    for name, mem in result["memory"].items():
+        for mode in MODES[1:]:
+            v.require(mem[mode]["bytes_per_token"] < mem["auto"]["bytes_per_token"],
+                      f"{name}: {mode} KV takes no fewer bytes per token than auto")
+    for key in ("attention_error", "model_attention_error"):
+        for row in result[key]:
+            where = f"{key} {row['mode']} at {row['context']}"
+            v.require(all(math.isfinite(row[k]) for k in ("max_abs", "mean_abs", "rel_mean")), f"{where}: not finite")
+            if row["mode"] in ("int8", "fp8"):
+                v.require(row["mean_abs"] > 0, f"{where}: zero error: the pool was not quantized")
+    for a in result["agreement"]:
+        modes = a["by_kv_dtype"]
+        v.require({"int8", "fp8"} <= set(modes), f"agreement ({a['model']}): modes measured {sorted(modes)}")
+        v.require(all(0 <= m["teacher_forced_agreement"] <= 1 and math.isfinite(m["max_logit_diff"])
+                      for m in modes.values()), f"agreement ({a['model']}): a value out of range")
+    return v.as_dict()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompt", type=int, default=1024, help="prompt tokens (long context)")
@@ -166,6 +197,7 @@ def main() -> None:
             tmp, layers=6, hidden=512, heads=8, kv_heads=4, vocab=4096, max_position_embeddings=8192, seed=1
         )
         result["agreement"].append(model_agreement(larger, "tiny-larger", args.prompt, args.steps))
+    result.update(judge(result))
     print(json.dumps(result, indent=1))
 
 

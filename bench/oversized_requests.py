@@ -23,7 +23,11 @@ read and parsed, then refused with a 400 before any tokenizer runs.
     .venv/bin/python bench/oversized_requests.py --server-args "--max-body-bytes 64MiB"
 
 Prints one JSON document. On a shared machine the absolute numbers move with the
-neighbours' load; the ratios inside one run are what to compare.
+neighbours' load; the ratios inside one run are what to compare. A run is `"valid"` only
+if both phases of every pair measured stream gaps and /health, RSS was sampled, and every
+oversized request was sent and refused (4xx): one the server accepted, or that got no
+answer, did not test what the bench is about. Goals (null on an invalid run): the four
+targets below.
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ import psutil
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tierguard.cli.serve import READY_PREFIX  # noqa: E402
 from tierguard.common.proc import ReadyProcess  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from validity import Validity  # noqa: E402
 
 
 def _q(values: list[float], q: float) -> float:
@@ -215,6 +222,18 @@ def _report(args: argparse.Namespace, phases: list[Phase]) -> dict:
             "rss_growth_mb": round((max(flood.rss) - quiet.rss[-1]) / 2**20, 1) if flood.rss and quiet.rss else None,
         })
     pairs = out["pairs"]
+    v = Validity()
+    v.require(bool(pairs), "no quiet/flood pair was run")
+    for p in phases:
+        v.require(bool(p.gaps) and bool(p.health), f"{p.name}: no stream gaps or /health samples")
+        v.require(bool(p.rss), f"{p.name}: no RSS sample")
+        if p.name == "flood":
+            v.require(bool(p.oversized), "a flood phase sent no oversized request")
+            bad = [o["status"] for o in p.oversized if not (isinstance(o["status"], int) and 400 <= o["status"] < 500)]
+            v.require(not bad, f"oversized requests not refused with a 4xx: {bad}")
+    if not v.valid:
+        out.update(v.as_dict())
+        return out
     out["summary"] = {
         "itl_p99_ratio_worst": max(p["itl_p99_ratio_flood_over_quiet"] for p in pairs),
         "oversized_answer_ms_max": max(p["oversized_answer_ms_max"] for p in pairs),
@@ -222,6 +241,10 @@ def _report(args: argparse.Namespace, phases: list[Phase]) -> dict:
         "rss_growth_mb_max": max(p["rss_growth_mb"] for p in pairs),
         "targets": {"itl_p99_ratio": 1.2, "oversized_answer_ms": 100, "health_ms": 50, "rss_growth_mb": 200},
     }
+    s = out["summary"]
+    out.update(v.as_dict())
+    out["goals_met"] = v.goal(s["itl_p99_ratio_worst"] <= 1.2 and s["oversized_answer_ms_max"] <= 100
+                              and s["health_max_ms"] <= 50 and s["rss_growth_mb_max"] <= 200)
     return out
 
 

@@ -155,21 +155,8 @@ async def _run(a: argparse.Namespace, url_a: str, url_b: str, redis: RedisServer
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = parse_args(argv)
-    if redis_server_path() is None:
-        print(json.dumps({"valid": False, "invalid_reasons": [INSTALL_HINT]}, indent=2))
-        return 0
-    env = {"TIERGUARD_NUM_THREADS": a.threads}
-    base = ["--device", a.device, "--max-model-len", "2048", "--kv-cache-gib", "0.05",
-            "--max-num-batched-tokens", "512", "--kv-host-gib", "0.05"]  # fmt: skip
-    with RedisServer(maxmemory="256mb") as redis:
-        tiers = ["--kv-remote-url", redis.url, "--kv-remote-timeout-ms", "50"]
-        with (
-            serve("remote_tier_a", base + tiers, env) as url_a,
-            serve("remote_tier_b", base + tiers, env) as url_b,
-        ):
-            got = asyncio.run(_run(a, url_a, url_b, redis))
+def report(a: argparse.Namespace, got: dict) -> dict:
+    """The run's validity, TTFT figures and goal, from what `_run` measured."""
     n, k, per = a.prefixes, a.kill_requests, a.prefix_tokens // BLOCK
     b, kill = got["b_measured"], got["kill"]
     v = Validity()
@@ -201,6 +188,25 @@ def main(argv: list[str] | None = None) -> int:
         **got,
         **v.as_dict(),
     }
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    if redis_server_path() is None:
+        print(json.dumps({"valid": False, "invalid_reasons": [INSTALL_HINT]}, indent=2))
+        return 0
+    env = {"TIERGUARD_NUM_THREADS": a.threads}
+    base = ["--device", a.device, "--max-model-len", "2048", "--kv-cache-gib", "0.05",
+            "--max-num-batched-tokens", "512", "--kv-host-gib", "0.05"]  # fmt: skip
+    with RedisServer(maxmemory="256mb") as redis:
+        tiers = ["--kv-remote-url", redis.url, "--kv-remote-timeout-ms", "50"]
+        with (
+            serve("remote_tier_a", base + tiers, env) as url_a,
+            serve("remote_tier_b", base + tiers, env) as url_b,
+        ):
+            got = asyncio.run(_run(a, url_a, url_b, redis))
+    result = report(a, got)
     print(json.dumps(result, indent=2))
     return 0
 

@@ -136,6 +136,18 @@ async def one_stream(session: aiohttp.ClientSession, url: str, body: dict) -> St
     return st
 
 
+def judge_streams(streams: list[Stream], want_tokens: int) -> Validity:
+    """A level is valid when no stream failed and each produced the tokens asked for."""
+    v = Validity()
+    errors = [st.error for st in streams if st.error]
+    v.require(not errors, count_errors(errors))
+    ok = [st for st in streams if not st.error]
+    short = [st.completion_tokens for st in ok if st.completion_tokens and st.completion_tokens != want_tokens]
+    v.require(not short, f"{len(short)} streams' usage says {sorted(set(short))} tokens, {want_tokens} were asked")
+    v.require(all(st.text for st in ok), "a stream carried no text")
+    return v
+
+
 async def run_level(url: str, bodies: list[dict], concurrency: int, count_tokens, want_tokens: int) -> dict:
     # Other processes share this machine: the load seen at the start of each level is
     # kept with its numbers so a noisy comparison can be recognised as such.
@@ -155,10 +167,7 @@ async def run_level(url: str, bodies: list[dict], concurrency: int, count_tokens
     out_tokens = sum(count_tokens("".join(st.text)) for st in ok)  # our count, not the server's
     events = sum(len(st.events) for st in ok)
     errors = [st.error for st in streams if st.error]
-    v = Validity()
-    v.require(not errors, count_errors(errors))
-    short = [st.completion_tokens for st in ok if st.completion_tokens and st.completion_tokens != want_tokens]
-    v.require(not short, f"{len(short)} streams' usage says {sorted(set(short))} tokens, {want_tokens} were asked")
+    v = judge_streams(streams, want_tokens)
     return {
         "concurrency": concurrency,
         "loadavg_1m_before": load_before,

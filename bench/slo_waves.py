@@ -6,8 +6,12 @@ client and no event loop share the cores: what is left is the scheduler's choice
 steps. Run twice in one process order (waves, then `StepBudget.wave_admits` forced off,
 then again each way), it shows what starting sequences in waves buys where no prefill
 chunk fits beside a decode within the SLO (scheduler.py). Prints one JSON object: per
-variant and repeat, output tok/s, the p50/p99 gap between a stream's tokens, and the
-steps by kind (decode-only, prefill-only, mixed) with the decode batch sizes.
+variant and repeat, output tok/s, the p50/p99 gap between a stream's tokens and that p99
+over the SLO, the steps by kind (decode-only, prefill-only, mixed) with the decode batch
+sizes, and `wave_starts`: steps in which two or more sequences produced their first token
+together (a wave starting). A run with waves on in which no wave formed did not measure
+waves, and a run that produced no tokens measured nothing: either is `"valid": false`.
+The goal, judged on valid runs only: the waves runs' p99 gap within the SLO.
 
     python bench/slo_waves.py [--weight-dtype int8] [--slo-ms 15] [--concurrency 32] [--duration 20]
 """
@@ -24,6 +28,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from validity import Validity  # noqa: E402
 
 from tierguard.engine.api import SamplingParams  # noqa: E402
 from tierguard.engine.factory import build_engine  # noqa: E402
@@ -61,19 +67,23 @@ def run(args, waves: bool) -> dict:
         n += 1
     last: dict[str, float] = {}
     gaps: list[float] = []
-    tokens = 0
+    tokens = wave_starts = 0
     t0 = time.monotonic()
     while time.monotonic() - t0 < args.duration:
+        firsts = 0
         for out in engine.step():
             now = time.monotonic()
             if out.new_token_ids:
                 tokens += len(out.new_token_ids)
                 if out.request_id in last:
                     gaps.append((now - last[out.request_id]) * 1000)
+                else:
+                    firsts += 1
                 last[out.request_id] = now
             if out.finished:
                 add(f"r{n}")
                 n += 1
+        wave_starts += firsts >= 2
     wall = time.monotonic() - t0
     gaps.sort()
     kinds: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
@@ -84,11 +94,32 @@ def run(args, waves: bool) -> dict:
     sizes = collections.Counter(d for d, p, _ in steps if d and not p)
     return {
         "waves": waves,
+        "tokens": tokens,
         "output_tok_s": round(tokens / wall, 1),
         "gap_p50_ms": round(gaps[len(gaps) // 2], 2) if gaps else None,
         "gap_p99_ms": round(gaps[min(len(gaps) - 1, int(len(gaps) * 0.99))], 2) if gaps else None,
         "steps": {k: {"count": v[0], "ms": round(v[1])} for k, v in kinds.items()},
         "decode_batch_sizes": dict(sorted(sizes.items())),
+        "wave_starts": wave_starts,
+    }
+
+
+def judge(slo_ms: float, runs: list[dict]) -> dict:
+    """Validity, the p99 gaps against the SLO, and the goal (see the module docstring)."""
+    v = Validity()
+    for i, r in enumerate(runs):
+        name = f"run {i} (waves {'on' if r['waves'] else 'off'})"
+        v.require(r["tokens"] > 0 and r["gap_p99_ms"] is not None, f"{name}: no tokens, no gaps: nothing measured")
+        if r["waves"]:
+            v.require(r["wave_starts"] > 0, f"{name}: no wave formed (sequences started one at a time)")
+        r["gap_p99_over_slo"] = None if r["gap_p99_ms"] is None else round(r["gap_p99_ms"] / slo_ms, 3)
+    on = [r["gap_p99_ms"] for r in runs if r["waves"] and r["gap_p99_ms"] is not None]
+    return {
+        **v.as_dict(),
+        "waves_formed": all(r["wave_starts"] > 0 for r in runs if r["waves"]) and any(r["waves"] for r in runs),
+        "gap_p99_ms_waves_worst": max(on) if on else None,
+        "gap_p99_over_slo_waves_worst": round(max(on) / slo_ms, 3) if on else None,
+        "goal_gap_p99_within_slo": v.goal(bool(on) and max(on) <= slo_ms),
     }
 
 
@@ -114,6 +145,7 @@ def main() -> int:
         "bench": "slo_waves", "model": args.model, "weight_dtype": args.weight_dtype, "slo_ms": args.slo_ms,
         "concurrency": args.concurrency, "duration_s": args.duration, "runs": runs,
         "tok_s_waves_over_none": round(sum(on) / sum(off), 3) if off and sum(off) else None,
+        **judge(args.slo_ms, runs),
     }, indent=2))
     return 0
 

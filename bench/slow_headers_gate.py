@@ -11,7 +11,10 @@ and the gate's header-timeout counter from /metrics.
 
     .venv/bin/python bench/slow_headers_gate.py
 Prints one JSON document. Targets: TTFT p50/p99 under attack within 1.2x of quiet; every
-slow socket closed at the header timeout.
+slow socket closed at the header timeout. The run is `"valid"` only if the attack was one:
+every slow socket connected and was still open when the attack phase's requests had all
+been answered, and every one was closed by the gate (not by this client); else the goals
+are null.
 """
 
 from __future__ import annotations
@@ -29,6 +32,25 @@ import aiohttp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tierguard.bench.schedule_server import ScheduleServer  # noqa: E402
 from tierguard.common.proc import ReadyProcess  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from validity import Validity  # noqa: E402
+
+
+def judge(out: dict, sockets: int, header_timeout_s: float) -> dict:
+    v = Validity()
+    slow = out["slow_sockets"]
+    v.require(slow["n"] == sockets, f"{slow['n']} of {sockets} slow sockets ran")
+    v.require(out["attack"]["all_sockets_still_open"], "a slow socket closed before the attack phase ended")
+    v.require(out["quiet"]["n"] > 0 and out["attack"]["n"] == out["quiet"]["n"], "the phases ran different loads")
+    closed_by_gate = all(a.startswith("HTTP/1.1 408") for a in slow["answers"])
+    v.require(closed_by_gate, f"slow sockets ended otherwise than by the gate's 408: {slow['answers']}")
+    return {
+        **v.as_dict(),
+        "goal_ttft_within_1_2x": v.goal(out["ttft_ratio_p50"] <= 1.2 and out["ttft_ratio_p99"] <= 1.2),
+        "goal_closed_at_header_timeout": v.goal(header_timeout_s <= slow["closed_after_s_min"]
+                                                and slow["closed_after_s_max"] <= header_timeout_s + 2),
+    }
 
 
 def _q(values: list[float], q: float) -> float:
@@ -106,7 +128,7 @@ async def main(args: argparse.Namespace) -> dict:
             up.stop()
     after = [c["closed_after_s"] for c in closed]
     ms = 1000.0
-    return {
+    out = {
         "config": vars(args),
         "quiet": {"n": len(quiet), "ttft_p50_ms": _q(quiet, 0.5) * ms, "ttft_p99_ms": _q(quiet, 0.99) * ms},
         "attack": {"n": len(attack), "ttft_p50_ms": _q(attack, 0.5) * ms, "ttft_p99_ms": _q(attack, 0.99) * ms,
@@ -120,6 +142,7 @@ async def main(args: argparse.Namespace) -> dict:
         "gate_header_timeouts_total": _metric(metrics, "tierguard_gate_http_header_timeouts_total"),
         "targets": {"ttft_ratio": 1.2, "closed_after_s": args.header_timeout_s},
     }
+    return {**out, **judge(out, args.sockets, args.header_timeout_s)}
 
 
 def _parse() -> argparse.Namespace:

@@ -8,7 +8,9 @@ ticker task on the loop sleeps 1 ms at a time, and reports the encode time and t
 longest gap the ticker saw.
 
     .venv/bin/python bench/tokenizer_offloop.py
-Prints one JSON document.
+Prints one JSON document. The run is `"valid"` only if every mode encoded every text to
+the same tokens as the inline encoder (a worker that returned nothing, or something
+else, would be fast for the wrong reason) and the ticker ran in every mode.
 """
 
 from __future__ import annotations
@@ -28,6 +30,22 @@ from tierguard.gate.tokens_fit import token_bytes_of  # noqa: E402
 from tierguard.model.tiny import ensure_tiny_model  # noqa: E402
 from tierguard.model.tokenizer import HFTokenizer  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from validity import Validity  # noqa: E402
+
+MODES = ("inline", "thread", "process")
+
+
+def judge(out: dict) -> dict:
+    v = Validity()
+    want = out["inline"]["tokens"]
+    v.require(want > 0, "the inline encoder produced no tokens")
+    for mode in MODES:
+        v.require(out[mode]["tokens"] == want and out[mode]["digest"] == out["inline"]["digest"],
+                  f"{mode}: {out[mode]['tokens']} tokens, not the inline encoder's {want}")
+        v.require(out[mode]["ticks"] > 0, f"{mode}: the loop's ticker never ran")
+    return v.as_dict()
+
 
 async def _measure(encode, texts: list[str]) -> dict:
     gaps: list[float] = []
@@ -44,14 +62,16 @@ async def _measure(encode, texts: list[str]) -> dict:
     task = asyncio.create_task(ticker())
     await asyncio.sleep(0.05)
     times = []
+    ids: list[int] = []
     for text in texts:
         t = time.monotonic()
-        await encode(text)
+        ids += list(await encode(text))
         times.append(time.monotonic() - t)
     stop = True
     await task
     return {"encode_ms_mean": round(1000 * sum(times) / len(times), 1),
-            "loop_gap_ms_max": round(1000 * max(gaps), 1), "ticks": len(gaps)}
+            "loop_gap_ms_max": round(1000 * max(gaps), 1), "ticks": len(gaps),
+            "tokens": len(ids), "digest": hash(tuple(ids))}
 
 
 async def main(args: argparse.Namespace) -> dict:
@@ -73,6 +93,7 @@ async def main(args: argparse.Namespace) -> dict:
             out[kind] = await _measure(pool.encode, texts)
         finally:
             pool.close()
+    out.update(judge(out))
     return out
 
 

@@ -10,7 +10,10 @@ the rest) turns them into logits. Over the last `--positions` positions of each 
   agreement   share of positions whose top-1 next token equals float32's
   perplexity  exp(mean negative log-likelihood of the actual next token)
 
-Targets: agreement >= 0.98 for int8 and >= 0.9 for int4. Prints JSON.
+Targets: agreement >= 0.98 for int8 and >= 0.9 for int4, judged only on a valid run: one
+that scored positions of some text, and whose int8 / int4 engines really held quantized
+weights (under half the float32 bytes; a float32 engine would "agree" perfectly).
+Prints JSON.
 
     .venv/bin/python bench/weight_quant_quality.py --model DIR|smollm2 [--weight-dtype int8,int4]
 """
@@ -90,6 +93,20 @@ def logits_of(engine, hidden: torch.Tensor) -> torch.Tensor:
     return torch.cat([model.compute_logits(hidden[i : i + 128]).float() for i in range(0, len(hidden), 128)])
 
 
+def judge(report: dict, v: Validity | None = None) -> dict:
+    """Adds validity and each weight kind's `meets_target` to `report`."""
+    v = v or Validity()
+    v.require(report.get("positions_per_text", 0) > 0 and bool(report.get("texts")), "no position was scored")
+    kinds = [wd for wd in report if wd in TARGETS]
+    for wd in kinds:
+        v.require(report[wd]["bytes_vs_float32"] < 0.5,
+                  f"{wd}: {report[wd]['bytes_vs_float32']} of the float32 bytes: the weights were not quantized")
+    for wd in kinds:
+        report[wd]["meets_target"] = v.goal(report[wd]["agreement"] >= TARGETS[wd])
+    report.update(v.as_dict())
+    return report
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2", help="model directory, or a name the model registry knows")
@@ -159,11 +176,10 @@ def main() -> int:
             "perplexity": round(ppl, 4),
             "perplexity_vs_float32": round(ppl / report["float32"]["perplexity"], 4),
             "target_agreement": TARGETS.get(wd),
-            "meets_target": v.goal(agree >= TARGETS[wd]) if wd in TARGETS else None,
         }
         engine.close()
         print(f"[{wd}] {json.dumps(report[wd])}", file=sys.stderr, flush=True)
-    report.update(v.as_dict())
+    judge(report, v)
     report["threads"] = torch.get_num_threads()
     print(json.dumps(report, indent=2))
     return 0

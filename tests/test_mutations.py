@@ -1,21 +1,26 @@
 """Mutation check: each headline claim has a default test that fails when the code breaks it.
 
-A mutant is one exact text replacement in one source file, plus the default tests that
-must kill it. The text must occur exactly once in the file, so a mutant that no longer
-matches the code (the code moved on) fails here loudly instead of passing silently.
+A mutant is one exact text replacement in the package, plus the default tests that must
+kill it. It names its file by globs (`tierguard/model/**/*.c`), and its text must occur
+exactly once across all the files they match, so a mutant that no longer matches the code
+(the code moved on) fails loudly instead of passing silently, while a function that
+moves to another file under the same globs keeps its mutant. Every mutant's text, the
+slow ones' included, is checked against the code in the default suite.
 
 How a mutant is run: the package, the tests and pyproject.toml are copied to a temp dir,
 the replacement is made in the copy, and the killing tests run in a subprocess with the
 copy as working directory and first on PYTHONPATH, so the test process and every child it
-starts (servers, CLIs) import the mutated copy. With -x, the run must end in failed tests
-(pytest exit code 1), not in a collection or usage error (a renamed test is reported as
-such). First the same tests must pass on an unmutated copy, or a mutant's "kill" would
-mean nothing.
+starts (servers, CLIs) import the mutated copy (a C mutant builds its own kernel library,
+keyed by the mutated source). With -x, the run must end in failed tests (pytest exit code
+1) with a FAILED line for a killing test, not in a collection or usage error (a renamed
+test is reported as such); `because`, when set, is text the failure must show (the
+assertion that was meant to catch it). First the same tests must pass on an unmutated
+copy, or a mutant's "kill" would mean nothing.
 
 Adding a mutant is one entry in MUTANTS. A `slow=True` mutant runs with `make test-all`
-(`-m slow`), not in the default suite: one whose killers are expensive (they load
-transformers), or one beyond the headline claims (each mutant costs a process start,
-several seconds of CPU; the default list stays short).
+(`-m slow`), not in the default suite: one beyond the headline claims (each mutant costs a
+process start and its killing tests, a few seconds of CPU; the default list is the
+headline claims).
 """
 
 from __future__ import annotations
@@ -33,18 +38,37 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# Where C kernels and engine policies live: a mutant names a glob, not a file, so moving a
+# function between files (a kernel family to its own file, a policy to its own module)
+# does not stale it; its text must still occur exactly once across all the glob's files.
+C_KERNELS = ("tierguard/model/**/*.c", "tierguard/model/**/*.h", "tierguard/model/**/*.inc")
+ENGINE = ("tierguard/engine/**/*.py",)
+
+
 @dataclass(frozen=True)
 class Mutant:
     name: str
-    path: str  # source file, relative to the repository root
-    old: str  # exact text, present exactly once
+    where: str | tuple[str, ...]  # globs relative to the repository root (a plain path is one)
+    old: str  # exact text, present exactly once across the files the globs match
     new: str
     killers: tuple[str, ...]  # pytest node ids of default tests; the run of them must fail
     slow: bool = False
+    because: str = ""  # text the killing run's output must show (the assertion that caught it)
+
+    @property
+    def globs(self) -> tuple[str, ...]:
+        return (self.where,) if isinstance(self.where, str) else self.where
 
 
 # Prefixes staged from disk after a restart, watched by tests/engine/guard_spy.py.
 TIERS_RESTART = "tests/engine/test_tiers.py::test_prefix_reload_from_disk_after_restart"
+# Greedy tokens and logits against transformers. The tiny Llama's steps (chunked prefill
+# beside decodes, at most 64 rows) all run the fused C step; Qwen3's q/k norm keeps it on
+# the per-op Python layers (as a long prefill chunk of any model is).
+HF_PARITY = "tests/engine/test_hf_parity.py::test_batched_chunked_prefill_and_prefix_hits"
+HF_PARITY_PER_OP = "tests/engine/test_hf_parity.py::test_parity_variants[qwen3]"
+REMOTE_GUARD = "tests/engine/test_remote_tier_engine.py::test_a_prefix_written_by_one_engine_is_loaded_by_another"
+VLLM_LOGIC = "tests/integrations/test_vllm_connector_logic.py"
 
 MUTANTS = [
     Mutant(
@@ -78,14 +102,14 @@ MUTANTS = [
     ),
     Mutant(
         "engine: a step never enters the decode guard",
-        "tierguard/engine/llm_engine.py",
+        ENGINE,
         "from tierguard.kv.guard import decode_guard",
         "from contextlib import nullcontext as decode_guard",
         (TIERS_RESTART,),
     ),
     Mutant(
         "engine: the model run outside the decode guard",
-        "tierguard/engine/llm_engine.py",
+        ENGINE,
         "with decode_guard():\n                logits = self.runner.run(",
         "if True:\n                logits = self.runner.run(",
         (TIERS_RESTART,),
@@ -104,6 +128,7 @@ MUTANTS = [
         "self.ring.seal_into(payload, aad, out)\n        return out",
         "return payload",
         ("tests/kv/test_kv_at_rest.py::test_blocks_are_sealed_no_plaintext_run_reaches_the_file",),
+        because="assert not shares_a_run(",  # the plaintext check, not the file's length
     ),
     Mutant(
         "at rest: a wrong key's write-behind overwrites the right key's block",
@@ -122,12 +147,113 @@ MUTANTS = [
         slow=True,
     ),
     Mutant(
-        "model: keys rotated the wrong way (greedy parity with transformers breaks)",
-        "tierguard/model/layers.py",
-        "k * cos + _rotate_half(k) * sin",
-        "k * cos - _rotate_half(k) * sin",
-        ("tests/engine/test_hf_parity.py::test_parity_variants[qwen2]",),
-        slow=True,  # ~12 s of CPU: transformers' import and forward
+        "model: rope in Python rotates the wrong way (greedy parity with transformers breaks)",
+        "tierguard/model/**/*.py",
+        "return torch.addcmul(x * cos, swapped, sin_signed)",
+        "return torch.addcmul(x * cos, swapped, -sin_signed)",
+        (HF_PARITY_PER_OP,),
+    ),
+    Mutant(
+        "model: rope in the fused C step rotates the wrong way",
+        C_KERNELS,
+        "t[d] = v[d] * cos[d] + v[d + half] * sin[d];",
+        "t[d] = v[d] * cos[d] - v[d + half] * sin[d];",
+        (HF_PARITY,),
+    ),
+    Mutant(
+        "step budget: SLO admission ignored (a new sequence always starts)",
+        ENGINE,
+        "if self.slo_ms <= 0 or num_running == 0:\n            return True",
+        "if True:\n            return True",
+        ("tests/engine/test_decode_speed_paths.py::test_itl_slo_holds_new_requests_in_the_queue",),
+    ),
+    Mutant(
+        "scheduler: a wave member never holds its last prompt token",
+        ENGINE,
+        "if members > 1 or self._joinable(budget, members, queued):",
+        "if False:",
+        ("tests/engine/test_decode_speed_paths.py::"
+         "test_under_a_tight_slo_a_wave_prefills_together_and_starts_decoding_in_one_step",),
+    ),
+    Mutant(
+        "fused step: a prefill chunk's K/V not all stored before its rows attend (`ordered` dropped)",
+        C_KERNELS,
+        "if (s->ordered) {",
+        "if (0) {",
+        ("tests/engine/test_fused_decode.py::test_a_chunks_rows_see_each_other_in_any_order",),
+    ),
+    Mutant(
+        "quantize: an int4 layer built as int8 (int4 runs the int8 path)",
+        "tierguard/model/**/*.py",
+        'if head or (self.weight_dtype == "int4" and not Int4Linear.supports(shape, self.group)):',
+        "if True:",
+        ("tests/engine/test_decode_speed_paths.py::test_quantized_engine_generates_close_to_float[int4]",),
+    ),
+    Mutant(
+        "qlinear: an int4 layer's few rows run the dequantized path, not the packed kernel",
+        "tierguard/model/**/*.py",
+        "return native.gemv_int4(x, self.qweight, self.scale, self.lo, self.group)",
+        "return self._blocked(x, self._dequant_native)",
+        ("tests/model/test_qlinear.py::test_few_rows_run_the_packed_kernel_never_a_float_weight[int4]",),
+    ),
+    Mutant(
+        "shared limits: slots counted per gate instead of fleet-wide",
+        "tierguard/gate/**/*.py",
+        '("slots", "long", "q:0",',
+        '(f"slots:{self.gate_id}", f"long:{self.gate_id}", "q:0",',
+        ("tests/gate/test_shared_limits.py::test_two_gates_never_run_more_than_the_shared_limit",),
+    ),
+    Mutant(
+        "remote tier: a lookup asks Redis on the engine thread",
+        "tierguard/kv/**/*.py",
+        "        return self.index.contains(block_hash)",
+        "        return bool(self._call(lambda: self.client.exists(self.key(block_hash)))[1])",
+        (REMOTE_GUARD,),
+        because="on the engine thread",
+    ),
+    Mutant(
+        "gate: the byte rule disabled (every request counted exactly)",
+        "tierguard/gate/**/*.py",
+        "if bound is not None and bound < limit:",
+        "if False:",
+        ("tests/gate/test_token_bound.py::test_local_byte_level_bound_holds_and_skips_counting",),
+    ),
+    Mutant(
+        "pool: blocks out of a sliding window are never freed",
+        "tierguard/engine/block_manager.py",
+        "        if self.num_groups == 1 or not seq.block_table:\n            return 0",
+        "        if True:\n            return 0",
+        ("tests/engine/test_gemma3_window.py::test_sliding_groups_hold_only_the_window",),
+    ),
+    Mutant(
+        "gemma3: sliding layers attend beyond their window",
+        "tierguard/engine/group_metadata.py",
+        "    if window is not None:\n        mask &= keys > queries - window",
+        "    if False:\n        mask &= keys > queries - window",
+        ("tests/engine/test_gemma3_window.py::test_greedy_and_logits_match_transformers_past_the_window",),
+        slow=True,  # transformers' import and forward
+    ),
+    Mutant(
+        "vLLM connector: a load past its class deadline keeps the request waiting",
+        "tierguard/integrations/vllm/scheduler.py",
+        'if load.state == "staging" and now > load.deadline:',
+        "if False:",
+        (f"{VLLM_LOGIC}::test_a_stalled_disk_read_is_given_back_at_the_interactive_deadline",),
+    ),
+    Mutant(
+        "vLLM connector: cold blocks staged on the calling (forward) thread",
+        "tierguard/integrations/vllm/scheduler.py",
+        "self._submit(spec, lambda r, load=load, blocks=blocks: self._on_staged(load, blocks, r))",
+        'self._on_staged(load, blocks, TransferResult(0, True, self.worker._handlers[spec.route].run(spec, None), 0, ""))',
+        ("tests/integrations/test_vllm_connector_spy.py::test_no_medium_read_runs_on_the_forward_thread",),
+    ),
+    Mutant(
+        "vLLM connector: a full store queue still queues the store",
+        "tierguard/integrations/vllm/scheduler.py",
+        "if self._queued_blocks + new > self.config.store_queue_blocks:",
+        "if False:",
+        (f"{VLLM_LOGIC}::test_a_full_store_queue_drops_the_store_and_never_waits",),
+        slow=True,
     ),
 ]
 FAST = [m for m in MUTANTS if not m.slow]
@@ -158,7 +284,7 @@ def _env(copy: Path) -> dict[str, str]:
 
 def _pytest(copy: Path, node_ids: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *node_ids],
+        [sys.executable, "-m", "pytest", "-x", "-q", "--tb=short", "-p", "no:cacheprovider", *node_ids],
         cwd=copy, env=_env(copy), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
 
@@ -174,17 +300,29 @@ def _pristine(dest: Path, mutants: list[Mutant]) -> Path:
     return copy
 
 
+def locate(mutant: Mutant, root: Path) -> Path:
+    """The one file under `root` whose text holds the mutant's text, across all its globs;
+    the text must occur exactly once in all those files together."""
+    files = sorted({f for g in mutant.globs for f in root.glob(g) if f.is_file() and "__pycache__" not in f.parts})
+    counts = {f: f.read_text(errors="replace").count(mutant.old) for f in files}
+    total = sum(counts.values())
+    assert total == 1, (
+        f"stale mutant {mutant.name!r}: its text occurs {total} times in {len(files)} files matching {mutant.globs}"
+        + "".join(f"\n  {f.relative_to(root)}: {n}" for f, n in counts.items() if n)
+    )
+    return next(f for f, n in counts.items() if n)
+
+
 def _kill(mutant: Mutant, pristine: Path, dest: Path) -> None:
     copy = dest / "copy"
     shutil.copytree(pristine, copy, ignore=_IGNORE)
-    target = copy / mutant.path
-    text = target.read_text()
-    assert text.count(mutant.old) == 1, f"stale mutant {mutant.name!r}: its text occurs {text.count(mutant.old)} times"
-    target.write_text(text.replace(mutant.old, mutant.new))
+    target = locate(mutant, copy)
+    target.write_text(target.read_text().replace(mutant.old, mutant.new))
     res = _pytest(copy, list(mutant.killers))
     out = res.stdout[-3000:] + res.stderr[-2000:]
     assert res.returncode == 1, f"mutant {mutant.name!r} survived (pytest exit {res.returncode}):\n{out}"
     assert any(f"FAILED {k}" in res.stdout for k in mutant.killers), out
+    assert mutant.because in res.stdout, f"mutant {mutant.name!r} was killed, but not by {mutant.because!r}:\n{out}"
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +333,20 @@ def pristine(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def pristine_slow(tmp_path_factory) -> Path:
     return _pristine(tmp_path_factory.mktemp("pristine-slow"), SLOW)
+
+
+def test_every_mutant_matches_the_code_once_and_names_real_tests():
+    """Cheap and in the default suite, for the slow mutants too: a stale text or a renamed
+    killing test shows in `make test`, not only in `make test-all`."""
+    for m in MUTANTS:
+        locate(m, ROOT)
+    killers = sorted({k for m in MUTANTS for k in m.killers})
+    res = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-o", "addopts=", "-p",
+                          "no:cacheprovider", *killers], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    collected = {line.strip().split("[")[0] for line in res.stdout.splitlines()}  # a parametrized one: all
+    collected |= {line.strip() for line in res.stdout.splitlines()}
+    assert set(killers) <= collected, sorted(set(killers) - collected)
 
 
 @pytest.mark.parametrize("mutant", FAST, ids=[_id(m) for m in FAST])

@@ -7,8 +7,11 @@ transfer worker's threads, outside any guard.
 runner's `run`, the connector's `poll`, each cold medium's `read_many`) and records the
 calling thread and `guard.decode_depth()` of every call, so these checks fail when the
 engine stops entering the guard or when a read moves onto the engine thread; the
-counters alone cannot see either (mutants in tests/test_mutations.py show it). Used by
-tests/engine/test_tiers.py on its disk and naive workloads.
+counters alone cannot see either (mutants in tests/test_mutations.py show it). `off_engine`
+names more points that must never run on the engine thread (a remote medium's Redis
+client: any round trip there is a network wait inside the engine's loop). Used by
+tests/engine/test_tiers.py on its disk and naive workloads and by
+tests/engine/test_remote_tier_engine.py on Redis.
 """
 
 from __future__ import annotations
@@ -29,17 +32,20 @@ class Call:
 
 class GuardSpy:
     """Records (thread, decode depth) of calls to an engine's public step points and to its
-    cold media's reads. `extra` adds more (name, object, method) points to watch."""
+    cold media's reads. `extra` adds more (name, object, method) points to watch;
+    `off_engine` adds points that `assert_contract` keeps off the engine thread."""
 
-    def __init__(self, engine: Any, extra: tuple[tuple[str, Any, str], ...] = ()) -> None:
+    def __init__(self, engine: Any, extra: tuple[tuple[str, Any, str], ...] = (),
+                 off_engine: tuple[tuple[str, Any, str], ...] = ()) -> None:
         self.calls: dict[str, list[Call]] = defaultdict(list)
+        self.off_engine = [name for name, _obj, _attr in off_engine]
         points = [("schedule", engine.scheduler, "schedule"), ("run", engine.runner, "run"),
                   ("poll", engine.connector, "poll")]  # fmt: skip
         points += [
             (f"{name}.read_many", m, "read_many")
             for name, m in getattr(engine.connector, "media", {}).items()
         ]
-        for name, obj, attr in [*points, *extra]:
+        for name, obj, attr in [*points, *extra, *off_engine]:
             self._wrap(name, obj, attr)
 
     def _wrap(self, name: str, obj: Any, attr: str) -> None:
@@ -74,5 +80,8 @@ class GuardSpy:
             on_engine = [c for c in calls if c.thread == engine_thread]
             assert not on_engine, f"{name} ran {len(on_engine)} times on the engine thread"
             assert all(c.depth == 0 for c in calls), f"{name} ran inside a decode guard"
+        for name in self.off_engine:
+            on_engine = [c for c in self.calls[name] if c.thread == engine_thread]
+            assert not on_engine, f"{name} ran {len(on_engine)} times on the engine thread"
         for name in read_media:
             assert self.calls[f"{name}.read_many"], f"the {name} tier was never read: nothing was checked"

@@ -8,10 +8,11 @@ import torch
 
 from tests.engine.conftest import make_engine, prompt_ids
 from tests.engine.test_hf_parity import run_and_record
+from tests.needs import skip_without_kernels
 from tierguard.engine.factory import build_engine
 from tierguard.model import fused_decode, native
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: the kernels are not built")
+pytestmark = skip_without_kernels()
 
 # 12 sequences (more than the kernel's 8-row chunk) of different lengths over 4-token blocks
 PROMPTS = [prompt_ids(9 + 5 * i, 3 + 7 * i) for i in range(12)]
@@ -130,18 +131,86 @@ def test_models_it_does_not_cover_keep_the_per_op_path(variant_dir, tiny_dir, mo
 
 
 def test_rebuilt_when_the_weights_move(tiny_dir, monkeypatch):
-    """The C side holds raw pointers: a replaced weight must not be read through a stale one."""
+    """The C side holds raw pointers: after weights are replaced, the step's output is the
+    new weights' (the per-op path's on them), never read through a stale pointer."""
     monkeypatch.setenv("TIERGUARD_FUSED_DECODE", "1")
     engine = make_engine(tiny_dir)
-    _record(engine, PROMPTS[:2], max_tokens=3)
+    before = _record(engine, PROMPTS[:2], max_tokens=6)
     model = engine.runner.model
     first = model._fused
     assert isinstance(first, fused_decode.FusedDecoder)
     with torch.no_grad():
-        proj = model.layers[0].self_attn.o_proj
-        proj.weight = torch.nn.Parameter(proj.weight.clone() * 0)
-    second = model._fused_decoder()
-    assert isinstance(second, fused_decode.FusedDecoder) and second is not first
-    assert model._fused_decoder() is second  # unchanged weights: reused
+        for layer in model.layers:  # new storage, new values: every layer's attention output halved
+            proj = layer.self_attn.o_proj
+            proj.weight = torch.nn.Parameter(proj.weight.clone() * 0.5)
+    after = _record(engine, PROMPTS[:2], max_tokens=6)
+    second = model._fused
+    assert isinstance(second, fused_decode.FusedDecoder) and second.steps >= 5  # decodes ran fused
+    monkeypatch.setenv("TIERGUARD_FUSED_DECODE", "0")
+    model._fused = None  # the per-op path on the same, new weights: the reference
+    ref = _record(engine, PROMPTS[:2], max_tokens=6)
+    assert model._fused is False
+    assert after[0] == ref[0]
+    for rid, lg in ref[1].items():
+        assert (after[1][rid] - lg).abs().max().item() < 1e-4, rid
+    # the new weights changed what the model computes, so the check above could fail
+    assert max((after[1][r] - before[1][r]).abs().max().item() for r in before[1]) > 1e-3
+    assert second is not first  # rebuilt, not patched
+    monkeypatch.setenv("TIERGUARD_FUSED_DECODE", "1")
+    model._fused = None
+    third = model._fused_decoder()
+    assert isinstance(third, fused_decode.FusedDecoder) and model._fused_decoder() is third  # unchanged: reused
     model.layers[1].self_attn.o_proj = torch.nn.Linear(proj.in_features, proj.out_features, bias=False)
-    assert model._fused_decoder() is not second  # a replaced module, too
+    assert model._fused_decoder() is not third  # a replaced module, too
+
+
+def _chunk_rows(engine, prompt: list[int], order: list[int], threads: int) -> torch.Tensor:
+    """One fused call whose rows are the tokens of one prefill chunk (`ordered`), given to
+    the kernel in `order`, on a pool whose other slots hold garbage; the rows' hidden
+    states, put back in position order."""
+    model, cfg, bs = engine.runner.model, engine.runner.cfg, engine.config.block_size
+    kv = engine.runner.kv_cache
+    n = len(prompt)
+    blocks = list(range(1, -(-n // bs) + 1))
+    with torch.no_grad():
+        kv.copy_(torch.randn(kv.shape, generator=torch.Generator().manual_seed(5)) * 30)  # stale slots
+    tables = torch.zeros(2, 16, dtype=torch.int32)
+    tables[1, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+    pos = torch.tensor(order, dtype=torch.long)
+    call = native.DecodeCall(tables, torch.ones(n, dtype=torch.int32), (pos + 1).to(torch.int32), n,
+                             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, bs)
+    x = model.embed_tokens(torch.tensor(prompt)[pos])
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            out = model._fused_decoder().run(x, model.rotary.tables(pos, x.dtype), kv, call, ordered=True)
+    finally:
+        torch.set_num_threads(old)
+    assert out is not None
+    return out[torch.argsort(pos)]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_chunks_rows_see_each_other_in_any_order(tiny_dir, threads, monkeypatch):
+    """With `ordered`, every row's K/V is in the pool before any row attends: a chunk's
+    rows given last-position-first compute what they compute in order. On one thread an
+    unordered step would run the rows one after another, so a row would read its later
+    neighbours' slots before they were written (the garbage put there) -- deterministic,
+    unlike the race the flag prevents on several threads."""
+    monkeypatch.setenv("TIERGUARD_FUSED_DECODE", "1")
+    engine = make_engine(tiny_dir)
+    prompt = prompt_ids(3, 11)
+    forward = _chunk_rows(engine, prompt, list(range(11)), threads)
+    backward = _chunk_rows(engine, prompt, list(range(10, -1, -1)), threads)
+    torch.testing.assert_close(backward, forward, rtol=1e-5, atol=1e-5)
+    # and in order, the rows equal the per-op path's prefill of the same chunk
+    monkeypatch.setenv("TIERGUARD_FUSED_DECODE", "0")
+    ref_engine = make_engine(tiny_dir)
+    hidden = []
+    handle = ref_engine.runner.model.norm.register_forward_hook(lambda _m, _i, o: hidden.append(o.detach().clone()))
+    from tierguard.engine.api import SamplingParams
+
+    ref_engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
+    handle.remove()
+    torch.testing.assert_close(forward, hidden[0], rtol=1e-4, atol=1e-4)

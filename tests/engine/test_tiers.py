@@ -177,6 +177,34 @@ def test_naive_mode_reads_disk_inside_the_step_and_counts_it(tiny_dir, reference
         assert all(n in x for n in names) and any(x[n] > 0 for n in names), names
 
 
+def test_naive_sync_disk_stalls_decode_once_concurrency_outgrows_the_pool(tiny_dir, reference, tmp_path):
+    """The small version of the demo's "naive sync-disk lowers the boundary" (slow:
+    tests/sweep/test_demo_e2e.py): the same small pool and workload at concurrency 1 and
+    5, naive mode against the cold contract. At 1 the pool holds the sequence and neither
+    reads the disk; at 5 the naive mode reads it inside decode steps (every stream of
+    the step waits on it), while the contract never does and stops admitting instead. A
+    boundary (the highest concurrency whose steps meet the SLO) can then only be lower
+    for the naive mode; how much lower is the demo's measurement."""
+    tiers = dict(num_blocks=40, kv_host_gib=0.001, kv_disk_gib=0.05)
+    seen = {}
+    for naive in (True, False):
+        for c in (1, 5):
+            engine = make_engine(tiny_dir, kv_disk_dir=str(tmp_path / f"{naive}-{c}"), naive_sync_disk=naive, **tiers)
+            try:
+                spy = GuardSpy(engine)
+                outs = [out for i in range(0, 5, c) for out in run(engine, PROMPTS[i : i + c])]
+                assert outs == reference  # same tokens either way
+                x = extra(engine)
+            finally:
+                engine.close()
+            seen[naive, c] = x.get("kv_naive_reads_in_decode", 0)
+            if not naive:
+                spy.assert_contract()
+                assert x.get("kv_disk_reads_in_decode", 0) == 0
+    assert seen[True, 1] == 0 and seen[True, 5] > 0, seen
+    assert seen[False, 1] == seen[False, 5] == 0, seen
+
+
 def test_long_request_waits_for_room_instead_of_thrashing(tiny_dir):
     """With tiers, admission needs room for the whole prompt: a long prompt waits while
     short ones run, and no sequence is preempted to make room for it."""

@@ -1,7 +1,10 @@
 """Shared limits on a real redis-server: two admission controllers (two gates) on one Redis.
 
-In process, so the assertions can see both sides; the subprocess version with SIGKILL
-of a gate is in test_fleet_processes.py.
+In process, so the assertions can see both sides; gate processes, one of them SIGKILLed,
+are in test_fleet_shared.py. Assertions read the gates' own counters and Redis' own
+record (slots held, leases reaped), never how long something took: waits are bounded only
+by generous hang guards, and how fast slots come back is measured by
+bench/fleet_shared_limits.py.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ async def _hold(gate: SharedAdmission, info: RequestInfo, seconds: float, runnin
     return time.monotonic() - t0
 
 
-async def _start_up(*gates: SharedAdmission, timeout_s: float = 5.0) -> None:
+async def _start_up(*gates: SharedAdmission, timeout_s: float = 30.0) -> None:
     """Start the gates and wait until each is up and counts them all live: on a loaded host
     a gate's first call can time out, and that gate joins a renewal later (still correct,
     but the test is about shared limits, so it waits for them)."""
@@ -48,7 +51,7 @@ async def _start_up(*gates: SharedAdmission, timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.05)
 
 
-async def _slots_drain(gate: SharedAdmission, timeout_s: float = 3.0) -> dict:
+async def _slots_drain(gate: SharedAdmission, timeout_s: float = 30.0) -> dict:
     """Releases go to Redis in the background: poll the counts until no slot is held (or time out)."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -66,8 +69,8 @@ def test_two_gates_never_run_more_than_the_shared_limit(redis_server):
         jobs = [_hold(g, RequestInfo(10), 0.05, running) for g in (a, b) for _ in range(8)]
         waited = await asyncio.gather(*jobs)
         assert running["max"] == 3  # each gate alone would have run 3
-        assert max(waited) >= 0.05 * 16 / 3 * 0.9  # so the 16 requests ran about three at a time
-        assert a.counters.waits + b.counters.waits >= 16 - 3
+        assert len(waited) == 16
+        assert a.counters.waits + b.counters.waits >= 16 - 3  # the others waited for a fleet slot
         assert a.counters.fallback_admissions == b.counters.fallback_admissions == 0
         counts = await _slots_drain(a)
         assert counts["slots"] == 0 and sum(v for k, v in counts.items() if k.startswith("queued")) == 0
@@ -93,12 +96,16 @@ def test_queue_bound_and_class_order_are_fleet_wide(redis_server):
             await asyncio.sleep(0.02)
             gate.release(ticket)
 
+        async def queued(gate: SharedAdmission, waits: int) -> None:  # its waiter is in the fleet's queue
+            while gate.counters.waits < waits:
+                await asyncio.sleep(0.01)
+
         batch = asyncio.create_task(wait_then_note(a, RequestInfo(10, priority="batch"), "batch-on-a"))
-        await asyncio.sleep(0.05)
+        await asyncio.wait_for(queued(a, 1), 30)
         first = asyncio.create_task(wait_then_note(b, RequestInfo(10), "interactive-on-b"))
-        await asyncio.sleep(0.05)
+        await asyncio.wait_for(queued(b, 1), 30)
         second = asyncio.create_task(wait_then_note(a, RequestInfo(10), "interactive-on-a"))
-        await asyncio.sleep(0.05)
+        await asyncio.wait_for(queued(a, 2), 30)
         # two interactive waiters across both gates fill the interactive queue (max_queue 2)
         with pytest.raises(Rejected) as full:
             await b.acquire(RequestInfo(10))
@@ -123,11 +130,11 @@ def test_slots_of_a_gate_that_stopped_renewing_come_back_within_the_lease(redis_
         for _ in range(2):
             r = await dead.acquire(0, False, dead.new_id(), queued=False, max_concurrency=2, max_long=2, max_queue=8)
             assert r.granted
-        t0 = time.monotonic()
-        ticket = await gate.acquire(RequestInfo(10))
-        waited = time.monotonic() - t0
-        assert waited <= lease_ms / 1000 + 0.5  # the lease time plus one poll and some scheduling
-        assert gate.counters.lease_expiries >= 1 and gate.counters.waits == 1  # the first to expire freed it
+        assert (await gate.store.counts())["slots"] == 2
+        ticket = await asyncio.wait_for(gate.acquire(RequestInfo(10)), 30)  # a hang guard, not a bound
+        # it waited, and what freed its slot was a dead lease reaped in Redis, not a release
+        assert gate.counters.lease_expiries >= 1 and gate.counters.waits == 1
+        assert (await gate.store.counts())["slots"] <= 2
         gate.release(ticket)
         await dead.close()
         await gate.close()
@@ -147,21 +154,18 @@ def test_redis_killed_falls_back_to_the_local_share_and_recovers(redis_server):
         redis_server.kill()
         for t in held[:3]:
             a.release(t)  # a now runs 1: below its local share of 4 // 2 live gates = 2
-        # the waiter noticed Redis was gone and took a local slot instead
-        t0 = time.monotonic()
-        held = [held[3], await asyncio.wait_for(queued, 2.5)]
-        assert time.monotonic() - t0 < 1.0
+        # the waiter noticed Redis was gone and took a local slot instead (within its 2 s
+        # wait limit: it was admitted, not refused)
+        held = [held[3], await asyncio.wait_for(queued, 30)]
         assert not a.up and a.local.policy.max_concurrency == 2 and a.counters.fallback_admissions == 1
-        # b: up to its share at once, then refused within the wait limit; nothing hangs on the dead Redis
-        t0 = time.monotonic()
-        b_tickets = [await asyncio.wait_for(b.acquire(RequestInfo(10)), 1) for _ in range(2)]
+        # b: up to its share, then refused by its wait limit; nothing hangs on the dead Redis
+        b_tickets = [await asyncio.wait_for(b.acquire(RequestInfo(10)), 30) for _ in range(2)]
         with pytest.raises(Rejected):
-            await b.acquire(RequestInfo(10), max_wait_s=0.2)
-        assert time.monotonic() - t0 < 1.0
+            await asyncio.wait_for(b.acquire(RequestInfo(10), max_wait_s=0.2), 30)
         assert b.counters.fallback_admissions == 2 and b.counters.errors >= 1
         # Redis comes back (empty): the renewals write back what still runs, shared limits resume
         redis_server.restart()
-        deadline = time.monotonic() + 3
+        deadline = time.monotonic() + 30
         while not (a.up and b.up) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         assert a.up and b.up
@@ -184,12 +188,10 @@ def test_unreachable_at_start_never_hangs_and_admits_within_the_share():
     async def main():
         gate = SharedAdmission(AdmissionPolicy(max_concurrency=6, max_queue_wait_ms=100),
                                LeaseStore("redis://127.0.0.1:9/0", lease_ms=900, timeout_s=0.05), min_gates=3)
-        t0 = time.monotonic()
-        await gate.start()
-        tickets = [await gate.acquire(RequestInfo(5)) for _ in range(2)]
+        await asyncio.wait_for(gate.start(), 30)  # hang guards: a dead Redis must not block
+        tickets = [await asyncio.wait_for(gate.acquire(RequestInfo(5)), 30) for _ in range(2)]
         with pytest.raises(Rejected):
-            await gate.acquire(RequestInfo(5))
-        assert time.monotonic() - t0 < 1.0
+            await asyncio.wait_for(gate.acquire(RequestInfo(5)), 30)
         assert not gate.up and gate.counters.fallback_admissions == 2
         for t in tickets:
             gate.release(t)
@@ -219,17 +221,16 @@ def test_one_stall_is_not_an_outage_but_a_hung_redis_is(redis_server):
         for t in tickets:
             gate.release(t)
 
+        errors = gate.counters.errors
         os.kill(redis_server.proc.pid, signal.SIGSTOP)  # now hung for good
         try:
-            t0 = time.monotonic()
-            ticket = await asyncio.wait_for(gate.acquire(RequestInfo(10)), 5)
-            waited = time.monotonic() - t0
+            ticket = await asyncio.wait_for(gate.acquire(RequestInfo(10)), 30)
             assert not gate.up and gate.counters.fallback_admissions == 1
-            assert waited >= 2 * 0.2  # three timeouts' span, not the first one
+            assert gate.counters.errors - errors >= 3  # three strikes, not the first timeout
             gate.release(ticket)
         finally:
             os.kill(redis_server.proc.pid, signal.SIGCONT)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while not gate.up:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.05)

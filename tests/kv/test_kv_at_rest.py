@@ -64,13 +64,13 @@ def test_blocks_are_sealed_no_plaintext_run_reaches_the_file(tmp_path, keys):
         assert enc.write(h, d) and plain.write(h, d)
     for h, d in enumerate(data):
         raw = path_of(tmp_path / "enc", h).read_bytes()
+        # the claim first: no 64-byte run of the plaintext is in the file (a check that can
+        # fail: the unencrypted tier's file has them); the envelope's shape after it
+        assert not shares_a_run(bytes(d.numpy()), raw)
+        assert shares_a_run(bytes(d.numpy()), path_of(tmp_path / "plain", h).read_bytes())
         header = blk.decode_header(raw)
         assert (header.codec, header.key_id) == (1, header_key_id(codec.ring.current))
         assert len(raw) == fmt.HEADER_LEN + N + 40  # envelope: magic, key id, nonce, tag
-        assert not shares_a_run(bytes(d.numpy()), raw)
-        assert shares_a_run(
-            bytes(d.numpy()), path_of(tmp_path / "plain", h).read_bytes()
-        )  # the check can fail
         assert enc.read(h) == bytes(d.numpy())
     assert os.stat(path_of(tmp_path / "enc", 0)).st_mode & 0o777 == 0o600
 

@@ -1,7 +1,11 @@
-"""GGUF export, read back with `gguf`; and (slow) a real llama.cpp server benchmarked.
+"""GGUF export, read back with `gguf`; and (slow) llama.cpp itself: SmolLM2 exported and
+decoded greedily under llama.cpp against our engine, and a real llama.cpp server
+benchmarked by `tierguard bench`.
 
-The fast tests need only the optional `gguf` package; the slow one also needs
-`llama-cpp-python[server]` (it compiles llama.cpp, so it is not a project dependency).
+The fast tests need only the optional `gguf` package; the slow ones also need
+`llama-cpp-python[server]`, which compiles llama.cpp and so is not a project dependency:
+`make test-all` installs it into its own venv and names that interpreter in
+TIERGUARD_LLAMA_PYTHON (else .venv-llamacpp/bin/python, else this interpreter).
 """
 
 from __future__ import annotations
@@ -163,69 +167,106 @@ def _stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
         proc.wait(5)
 
 
-# A first difference in greedy tokens is accepted only on a near-tie: two tokens whose
-# logits (transformers' fp32 forward of the same weights) differ by less than this, which
-# llama.cpp's f16 KV cache and its own summation order can flip. Anything else is a bug.
-TIE_LOGIT = 0.02
+ROOT = Path(__file__).resolve().parents[2]
+GREEDY_SCRIPT = Path(__file__).with_name("llamacpp_greedy.py")
 
 
-def _greedy_agreement(model_dir: Path, gguf_path: Path, steps: int = 8) -> dict:
-    """Tokenizer and greedy-token agreement of llama.cpp vs tierguard's engine, and at the
-    first difference (if any) how far apart the two choices were in the model's logits."""
-    from llama_cpp import Llama
+def llama_python() -> str:
+    """An interpreter with llama_cpp.server, or a named skip."""
+    candidates = [os.environ.get("TIERGUARD_LLAMA_PYTHON"), str(ROOT / ".venv-llamacpp" / "bin" / "python"),
+                  sys.executable]
+    for py in filter(None, candidates):
+        if Path(py).exists() and subprocess.run([py, "-c", "import llama_cpp.server.app"],
+                                                capture_output=True).returncode == 0:
+            return py
+    pytest.skip("llama-cpp-python[server] is not installed (`make test-all` builds it into .venv-llamacpp)")
 
+
+def llama_cpp_greedy(py: str, gguf: Path, prompts: list[list[int]], ours: list[list[int]], steps: int,
+                     text: str) -> dict:
+    job = {"gguf": str(gguf), "prompts": prompts, "ours": ours, "steps": steps, "text": text}
+    res = subprocess.run([py, str(GREEDY_SCRIPT)], input=json.dumps(job), capture_output=True, text=True,
+                         timeout=3000)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout)
+
+
+STEPS = 64
+# What holds between llama.cpp (its defaults: f16 KV cache) and our engine on SmolLM2:
+# f32: the same float32 weights, sums in another order: every greedy sequence equal,
+#   token for token (measured: 8 of 8, top-1 along ours 1.0).
+# Q8_0: the same weights (our int8 layers take the file's blocks as they are), but
+#   llama.cpp also rounds each activation row to 8 bits for its Q8_0 dot products, which
+#   we do not: near-ties flip and greedy texts part within a few dozen tokens (measured:
+#   1 of 8 equal, top-1 along ours 0.957). Asserted: top-1 along ours >= 0.9.
+FORCED_MIN = {"f32": 1.0, "q8_0": 0.9}
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir():
+    from tierguard.model.registry import resolve_model, smollm2_gguf
+
+    try:
+        smollm2_gguf()
+    except TierguardError as exc:
+        pytest.skip(str(exc))
+    return resolve_model("smollm2")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("dtype", ["f32", "q8_0"])
+def test_llama_cpp_greedy_matches_ours_on_smollm2(dtype, smollm2_dir, tmp_path):
+    """SmolLM2 exported by `tierguard model export-gguf --dtype f32|q8_0`, 8 chat prompts x
+    64 greedy steps under llama.cpp, against our engine on the same file (float32 weights;
+    for Q8_0 our int8 layers made of the file's own blocks)."""
+    from tests.model.test_smollm2_parity import PROMPTS
     from tierguard.engine.api import SamplingParams
     from tierguard.engine.factory import build_engine
+    from tierguard.model.registry import resolve_model
 
-    text = "the memory cache token model layer block queue latency"
-    engine = build_engine(
-        model_dir, dtype="float32", device="cpu", kv_cache_gib=0.05, max_num_seqs=1, max_model_len=256
-    )
-    ids = engine.tokenizer.encode(text)
-    ours = engine.generate([ids], SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))[0]
-    llm = Llama(model_path=str(gguf_path), n_ctx=256, verbose=False)
-    theirs_ids = llm.tokenize(text.encode(), add_bos=True, special=False)
-    theirs: list[int] = []
-    for token in llm.generate(ids, top_k=1, temp=0.0, reset=True):
-        theirs.append(int(token))
-        if len(theirs) == steps:
-            break
-    same = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), steps)
-    margin = None
-    if same < steps:  # both continued the same prefix up to here; how close were the two choices?
-        import torch
-        import transformers
-
-        hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-        with torch.no_grad():
-            logits = hf(torch.tensor([ids + ours[:same]])).logits[0, -1]
-        margin = abs(float(logits[ours[same]] - logits[theirs[same]]))
-    return {"tokenizer_equal": theirs_ids == ids, "ours": ours, "llama_cpp": theirs, "agree_prefix": same,
-            "steps": steps, "tie_margin": margin}
+    py = llama_python()
+    gguf_path = export_gguf(smollm2_dir, tmp_path / f"smollm2-{dtype}.gguf", dtype=dtype).path
+    if dtype == "f32":
+        engine = build_engine(smollm2_dir, dtype="float32", device="cpu", kv_cache_gib=0.1, max_model_len=512,
+                              max_num_seqs=8)
+    else:
+        engine = build_engine(resolve_model(str(gguf_path)), dtype="float32", device="cpu", kv_cache_gib=0.1,
+                              max_model_len=512, max_num_seqs=8, weight_dtype="int8", gguf_path=gguf_path)
+    tok = engine.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
+               for p in PROMPTS]
+    ours = engine.generate(prompts, SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True))
+    text = "The memory cache holds 1234 tokens; latency is 5.6 ms. Überprüfung: café, naïve."
+    mine_text = tok.encode(text)  # special tokens as the model's tokenizer adds them
+    engine.close()
+    theirs = llama_cpp_greedy(py, gguf_path, prompts, ours, STEPS, text)
+    equal = sum(a == b for a, b in zip(theirs["greedy"], ours, strict=True))
+    firsts = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+              for a, b in zip(theirs["greedy"], ours, strict=True)]
+    forced = sum(int(x == y) for a, b in zip(theirs["forced"], ours, strict=True) for x, y in zip(a, b, strict=True))
+    agreement = forced / (len(prompts) * STEPS)
+    print(f"llama.cpp {dtype}: {equal} of {len(prompts)} greedy sequences equal, first differences at {firsts}; "
+          f"top-1 along ours {agreement:.4f}")
+    assert theirs["tokenized"] == mine_text
+    assert agreement >= FORCED_MIN[dtype]
+    if FORCED_MIN[dtype] == 1.0:
+        assert equal == len(prompts), firsts  # token for token
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_tierguard_bench_against_real_llama_cpp_server(tmp_path):
-    pytest.importorskip(
-        "llama_cpp", reason="llama-cpp-python is not installed (pip install 'llama-cpp-python[server]')"
-    )
-    pytest.importorskip("llama_cpp.server.app", reason="llama-cpp-python lacks the [server] extra")
+    py = llama_python()
     from tierguard.model.tiny import ensure_tiny_model
 
     model_dir = ensure_tiny_model()
     gguf_path = export_gguf(model_dir, tmp_path / "tiny.gguf").path
-    agreement = _greedy_agreement(model_dir, gguf_path, steps=16)
-    print("greedy agreement:", json.dumps(agreement))
-    assert agreement["tokenizer_equal"]
-    # Every greedy token equal, or the first difference on a near-tie (see TIE_LOGIT).
-    if agreement["agree_prefix"] < agreement["steps"]:
-        assert agreement["tie_margin"] < TIE_LOGIT, agreement
 
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     log = tmp_path / "llama_server.log"
-    args = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf_path), "--host", "127.0.0.1",
+    args = [py, "-m", "llama_cpp.server", "--model", str(gguf_path), "--host", "127.0.0.1",
             "--port", str(port), "--n_ctx", "2048",
             # By default llama-cpp-python's server cancels the streaming request whenever
             # a new one arrives: at concurrency 2 that is 7 of 8 requests cut off

@@ -1,14 +1,20 @@
-"""The CPU decode kernel (tierguard/model/native.py) equals the torch path it replaces."""
+"""The CPU decode kernel (tierguard/model/native.py) equals the torch path it replaces.
+
+The kernel picks its work split by the OpenMP thread count (a unit per sequence when there
+are at least as many sequences as threads, else a unit per KV head), so every case pins
+torch's thread count (the kernel shares torch's OpenMP runtime) and both splits are run
+whatever the machine's core count."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tests.needs import skip_without_kernels
 from tierguard.model import native
 from tierguard.model.attention import AttentionMetadata, paged_attention
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: the kernel is not built")
+pytestmark = skip_without_kernels()
 
 
 def _torch_decode(q, k, v, layer, tables, ctx, bs):
@@ -48,12 +54,25 @@ def _check_kernel(heads, kv_heads, head_dim, bs, ctx_list, rows_list):
     assert torch.equal(mine_pool[:, 0], pool[:, 0]) and torch.equal(mine_pool[:, 2], pool[:, 2])
 
 
+@pytest.fixture
+def threads(request):
+    """torch's (and so the kernel's) OpenMP thread count, pinned for one test."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize(
+    "threads", [1, 5, 8], indirect=True, ids=["per-sequence-1", "per-sequence-5", "per-head-8"]
+)
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim,bs",
     [(9, 3, 64, 16), (8, 8, 32, 4), (8, 2, 36, 8), (4, 1, 128, 16)],  # GQA, MHA, odd dim, MQA
 )
-def test_kernel_matches_torch_path(heads, kv_heads, head_dim, bs):
-    """Five sequences (at least as many as threads here: a unit per sequence, slot-major)."""
+def test_kernel_matches_torch_path(heads, kv_heads, head_dim, bs, threads):
+    """Five sequences: a unit per sequence (slot-major) on up to five threads, a unit per
+    (sequence, KV head) on more."""
     _check_kernel(heads, kv_heads, head_dim, bs, [1, bs, bs + 1, 3 * bs - 2, 5 * bs], [3, 0, 6, 1, 4])
 
 
@@ -64,10 +83,11 @@ def test_kernel_matches_torch_path(heads, kv_heads, head_dim, bs):
     [(9, 3, 64, 16), (8, 2, 40, 16), (12, 1, 64, 8), (8, 2, 36, 8), (8, 8, 32, 4)],
 )
 @pytest.mark.parametrize("ctx", [1, 3, 7 * 4 + 3])
-def test_one_sequence_split_by_kv_head_matches_torch_path(heads, kv_heads, head_dim, bs, ctx):
-    """One sequence (fewer than the threads: a unit per KV head, the batch-1 decode's
-    path, and that of every row of a step with prefill chunks); contexts that end
-    inside a four-slot group and inside a block."""
+@pytest.mark.parametrize("threads", [2, 1], indirect=True, ids=["per-head-2", "per-sequence-1"])
+def test_one_sequence_split_by_kv_head_matches_torch_path(heads, kv_heads, head_dim, bs, ctx, threads):
+    """One sequence: on two threads a unit per KV head (the batch-1 decode's path on more
+    than one core), on one thread the whole sequence; contexts that end inside a
+    four-slot group and inside a block."""
     _check_kernel(heads, kv_heads, head_dim, bs, [ctx], [2])
 
 

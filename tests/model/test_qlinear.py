@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.needs import kernel_problem, skip_without_kernels
 from tierguard.model import native, qlinear
 from tierguard.model.qlinear import (
     Int4Linear,
@@ -127,6 +128,8 @@ def _int8_reference(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def test_int8_groups_follow_their_own_scale(k, kernels, monkeypatch):
     """Groups whose magnitudes differ by up to 2^12: a scale read for the wrong row or
     group (or one per row) breaks every path's agreement with the float weight."""
+    if kernels and not native.available():
+        pytest.skip(f"the C kernels are not built: {kernel_problem()}")  # not the fallback under their name
     if not kernels:
         monkeypatch.setattr(native, "available", lambda: False)
     gen = torch.Generator().manual_seed(k)
@@ -150,7 +153,7 @@ def test_int8_groups_follow_their_own_scale(k, kernels, monkeypatch):
         assert float(((out - x.double() @ w.double().t()).abs() / scale_ref).max()) < 0.01, rows
 
 
-@pytest.mark.skipif(not native.available(), reason="no C compiler: the kernel is not built")
+@skip_without_kernels()
 @pytest.mark.parametrize("k", [96, 100])
 def test_int8_scale_search_kernel_matches_torch(k, monkeypatch):
     """The C search and the torch fallback choose scales that err alike (float32 sums in
@@ -176,7 +179,7 @@ def test_int8_layer_refuses_a_wrong_scale_shape():
         Int8Linear(q, scale.float().amax(1))  # per channel: the old layout
 
 
-@pytest.mark.skipif(not native.available(), reason="no C compiler: the kernel is not built")
+@skip_without_kernels()
 def test_kernel_refuses_more_rows_than_it_takes():
     layer = Int8Linear.from_float(torch.randn(16, 16))
     with pytest.raises(RuntimeError, match="refused"):
@@ -185,7 +188,7 @@ def test_kernel_refuses_more_rows_than_it_takes():
         native.gemv_f32(torch.randn(native.MAX_GEMV_ROWS + 1, 16), torch.randn(16, 16))
 
 
-@pytest.mark.skipif(not native.available(), reason="no C compiler: the kernels are not built")
+@skip_without_kernels()
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 9])  # the float32 GEMV for <= 8 rows, F.linear past it
 @pytest.mark.parametrize("k", [96, 100])  # a K that is not a multiple of the 32-wide unrolled loop
 def test_float_linear_gemv_equals_f_linear(rows, k):
@@ -204,3 +207,25 @@ def test_float_linear_gemv_equals_f_linear(rows, k):
     assert out.shape == ref.shape
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(tied, ref - layer.bias, rtol=1e-5, atol=1e-4)
+
+
+@skip_without_kernels()
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_few_rows_run_the_packed_kernel_never_a_float_weight(kind, monkeypatch):
+    """Up to `gemv_rows` activation rows (decode steps) read the packed bytes through the
+    kind's own GEMV, which is what makes a quantized decode step cheaper; only more rows
+    dequantize, a block of output rows at a time. An int4 layer never takes int8's kernel."""
+    calls: list[str] = []
+    for name in ("gemv_int8", "gemv_int4", "dequant_int8", "dequant_int4", "gemv_f32"):
+        real = getattr(native, name)
+        monkeypatch.setattr(native, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(600, 64, generator=gen) * 0.05
+    layer = Int8Linear.from_float(w) if kind == "int8" else Int4Linear.from_float(w, 32)
+    for rows in (1, 8, 9, qlinear.QuantLinear.gemv_rows):
+        x = torch.randn(rows, 64, generator=gen)
+        torch.testing.assert_close(layer(x), x @ _dense(layer).t(), rtol=1e-4, atol=1e-4)
+    assert calls == [f"gemv_{kind}"] * 4
+    calls.clear()
+    layer(torch.randn(qlinear.QuantLinear.gemv_rows + 1, 64, generator=gen))
+    assert calls == [f"dequant_{kind}"] * -(-600 // qlinear.BLOCK_ROWS)

@@ -127,3 +127,48 @@ def test_health_and_metrics_while_redis_is_up_then_killed(redis_server):
             assert _sample(await metrics(), "tierguard:engine_kv_remote_errors_total") > 0
 
     asyncio.run(go())
+
+
+def test_two_replicas_share_a_prefix_through_redis(redis_server):
+    """The small version of tests/serve/test_remote_tier_replicas.py (two server processes,
+    slow): two `serve` apps, each on its own engine, on one real Redis. A prefix answered
+    by A is written behind to Redis; B, which never saw it, stages it from Redis and says
+    so: remote hits in its /metrics, cached tokens in its usage, the same greedy answer."""
+    from tierguard.engine.async_engine import AsyncLLMEngine
+    from tierguard.model.tiny import ensure_tiny_model
+
+    def replica() -> AsyncLLMEngine:
+        return AsyncLLMEngine.from_model_dir(
+            ensure_tiny_model(), model_name="tiny", max_model_len=256, kv_cache_gib=0.02, dtype="float32",
+            device="cpu", kv_host_gib=0.01,
+            kv_media={"remote": {"url": redis_server.url, "refresh_s": 0.02, "timeout_ms": 200}},
+        )  # fmt: skip
+
+    a, b = replica(), replica()
+    prompt = list(range(20, 84))  # 4 full blocks of 16
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+
+    async def go() -> None:
+        async with serve(create_app(a)) as ca, serve(create_app(b)) as cb:
+
+            async def metric(client, name: str) -> float:
+                return _sample(await (await client.get("/metrics")).text(), name)
+
+            ra = await ca.post("/v1/completions", json=body)
+            first = await ra.json()
+            assert ra.status == 200 and "prompt_tokens_details" not in first["usage"]  # A computed it all
+            for _ in range(500):  # A's write-behind, then B's journal refresh
+                if await metric(ca, "tierguard:engine_kv_remote_writes_total") >= 4 and \
+                        await metric(cb, "tierguard:engine_kv_remote_blocks") >= 4:
+                    break
+                await asyncio.sleep(0.02)
+            assert await metric(cb, "tierguard:engine_kv_remote_blocks") >= 4  # B learned A's blocks
+            rb = await cb.post("/v1/completions", json=body)
+            second = await rb.json()
+            assert rb.status == 200
+            assert second["choices"][0]["text"] == first["choices"][0]["text"]
+            assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 48  # staged, not recomputed
+            assert await metric(cb, "tierguard:engine_kv_remote_hits_total") >= 3
+            assert await metric(ca, "tierguard:engine_kv_remote_hits_total") == 0
+
+    asyncio.run(go())

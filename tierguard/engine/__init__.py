@@ -15,6 +15,7 @@ admission.py        admission policies: FIFO, or the cold contract's class order
 step_budget.py      prefill tokens per step and whether the batch may grow (--target-itl-ms, --itl-slo-ms)
 slo_waves.py        under --itl-slo-ms: new sequences start decoding together, catch-up steps
 model_runner.py     schedule -> tensors (slots, block tables, positions) -> model; owns the KV pool
+group_metadata.py   per-layer-group attention metadata (sliding-window groups read only their window)
 sampler.py          greedy / temperature / top-k / top-p / seeds, batched
 detokenizer.py      incremental detokenization and stop strings
 llm_engine.py       sync engine: add_request / step / abort, stats, step listeners; builds the connector

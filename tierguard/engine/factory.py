@@ -21,6 +21,7 @@ from tierguard.engine.llm_engine import LLMEngine
 from tierguard.engine.model_runner import KV_DTYPES, kv_block_bytes
 from tierguard.engine.weight_offload import WeightOffloader
 from tierguard.model.config import ModelConfig
+from tierguard.model.gemma3 import kv_groups
 from tierguard.model.loader import load_model
 from tierguard.model.tokenizer import HFTokenizer
 
@@ -155,7 +156,11 @@ def build_engine(
     # so on CUDA the device memory it frees goes to the KV pool.
     WeightOffloader.attach(model, weights_offload_gib)
     per_block = kv_block_bytes(cfg, block_size, torch_dtype, kv_dtype)  # scales included
-    min_blocks = -(-max_model_len // block_size)  # one sequence of max_model_len
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = max(DEFAULT_BATCHED_TOKENS.get(dev.type, 512), max_num_seqs)
+    # One sequence of max_model_len, every layer group (a sliding group holds its window
+    # plus one step's chunk at most).
+    min_blocks = kv_groups(cfg).sequence_blocks(max_model_len, max_num_batched_tokens, block_size)
     budget = kv_budget_bytes(dev, kv_cache_gib, kv_cache_fraction, max_num_seqs * min_blocks * per_block)
     num_blocks = budget // per_block
     if num_blocks < min_blocks:
@@ -163,8 +168,6 @@ def build_engine(
             f"KV budget of {budget / GIB:.3f} GiB holds {num_blocks} blocks of {block_size} tokens, fewer than one "
             f"sequence of max_model_len {max_model_len} needs ({min_blocks}); raise --kv-cache-gib or lower --max-model-len"
         )
-    if max_num_batched_tokens is None:
-        max_num_batched_tokens = max(DEFAULT_BATCHED_TOKENS.get(dev.type, 512), max_num_seqs)
     config = EngineConfig(
         num_blocks=int(num_blocks),
         block_size=block_size,

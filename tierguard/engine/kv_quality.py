@@ -43,8 +43,10 @@ def greedy_trace(
     """Prefill `prompt` in chunks, then decode `steps` tokens; feed `forced` when given."""
     bs = runner.block_size
     seq = Sequence("kv-quality", prompt, SamplingParams(max_tokens=steps, temperature=0.0), 0.0)
-    seq.block_table = list(range(-(-(len(prompt) + steps) // bs)))
-    if len(seq.block_table) > runner.kv_cache.shape[0]:
+    per_group = -(-(len(prompt) + steps) // bs)
+    # Each layer group gets its own run of blocks (nothing is freed: windows are masked).
+    seq.block_tables = [list(range(g * per_group, (g + 1) * per_group)) for g in range(runner.groups.num_groups)]
+    if per_group * runner.groups.num_groups > runner.kv_cache.shape[0]:
         raise ValueError("the runner's pool is too small for prompt + steps")
     tokens: list[int] = []
     rows: list[torch.Tensor] = []
@@ -58,6 +60,12 @@ def greedy_trace(
             tokens.append(int(logits[0].argmax()))
             seq.append_token(forced[len(tokens) - 1] if forced is not None else tokens[-1])
     return GreedyTrace(tokens, torch.stack(rows))
+
+
+def _num_groups(model: LlamaModel) -> int:
+    """KV layer groups the model's pool has (tierguard/kv/groups.py)."""
+    groups = getattr(model, "groups", None)
+    return groups.num_groups if groups is not None else 1
 
 
 @dataclass
@@ -82,7 +90,7 @@ def agreement(
     reference_kv_dtype: str = "auto",
 ) -> list[Agreement]:
     """Agreement of each `kv_dtypes` pool with the `reference_kv_dtype` pool, same model."""
-    num_blocks = -(-(len(prompt) + steps) // block_size)
+    num_blocks = -(-(len(prompt) + steps) // block_size) * _num_groups(model)
 
     def runner(kv_dtype: str) -> ModelRunner:
         return ModelRunner(model, cfg, num_blocks, block_size, dtype, device, kv_dtype=kv_dtype)
@@ -131,7 +139,7 @@ def attention_output_error(
         )
         for layer in model.layers
     ]
-    num_blocks = -(-(len(prompt) + 2) // block_size)
+    num_blocks = -(-(len(prompt) + 2) // block_size) * _num_groups(model)
     outputs = {}
     try:
         for name in (reference_kv_dtype, kv_dtype):

@@ -75,8 +75,14 @@ class LLMEngine:
         # block size) salts the prefix hashes and names the tiers' blocks.
         self.fingerprint = fingerprint(weights_id or model_name, self.runner.kv_layout, vars(model_config))
         self.pool = BlockPool(config.num_blocks, record_evictions=config.tiers_enabled)
+        self.groups = self.runner.groups  # layer groups of the pool (tierguard/kv/groups.py)
         self.block_manager = BlockManager(
-            self.pool, config.block_size, fingerprint_salt(self.fingerprint), config.enable_prefix_caching
+            self.pool,
+            config.block_size,
+            fingerprint_salt(self.fingerprint),
+            config.enable_prefix_caching,
+            groups=self.groups,
+            max_chunk=config.max_num_batched_tokens,
         )
         self.contract: ColdContract | None = None  # the cold contract, when tiers are on
         self.connector = self._make_connector(faults)
@@ -115,7 +121,9 @@ class LLMEngine:
             or (params.top_k is not None and params.top_k < 1)
         ):
             raise TierguardError("sampling params out of range: temperature >= 0, 0 < top_p <= 1, top_k >= 1")
-        blocks = -(-(n + params.max_tokens) // self.config.block_size)
+        blocks = self.groups.sequence_blocks(
+            n + params.max_tokens, self.config.max_num_batched_tokens, self.config.block_size
+        )
         if blocks > self.config.num_blocks:
             raise TierguardError(
                 f"request needs {blocks} KV blocks but the pool has {self.config.num_blocks}; raise the KV budget"
@@ -165,7 +173,7 @@ class LLMEngine:
         self.contract = ColdContract(options.ttft_budget_ms)
         pool, device_pool = self.pool, self.runner.device_pool
         return TieredConnector.create(
-            pool, device_pool, config.block_size, self.fingerprint, options, self.contract, faults
+            pool, device_pool, config.block_size, self.fingerprint, options, self.contract, faults, self.groups
         )
 
     def _make_scheduler(self) -> Scheduler:
@@ -173,10 +181,33 @@ class LLMEngine:
         if config.naive_sync_disk:  # benchmark only: the failure mode the contract prevents
             from tierguard.baselines.naive_scheduler import make_naive_scheduler
 
+            if self.groups.hybrid:
+                raise TierguardError(
+                    "--kv-naive-sync-disk (a benchmark baseline) pages whole-layer blocks; "
+                    "it does not run models with sliding-window layer groups"
+                )
+
             return make_naive_scheduler(config, bm, self.connector, self.runner.device_pool, self.fingerprint)
         if self.contract is not None:
             return Scheduler(config, bm, self.connector, ContractAdmission(bm, self.contract))
         return Scheduler(config, bm, self.connector, FifoAdmission())
+
+    @property
+    def compute_path(self) -> str:
+        """How steps are computed (the C decode path, or torch for models it does not cover)."""
+        return self.runner.compute_path
+
+    def describe_kv_groups(self) -> str:
+        """The pool's layer groups in one line (one group unless some layers slide)."""
+        groups = self.groups.groups
+        if len(groups) == 1:
+            return f"one group of {len(groups[0].layers)} layers, full attention"
+        full = sum(not g.sliding for g in groups)
+        windows = sorted({g.window for g in groups if g.sliding})
+        return (
+            f"{len(groups)} groups of {self.groups.width} layers: {full} full attention, "
+            f"{len(groups) - full} sliding window {'/'.join(map(str, windows))} (blocks out of the window are freed)"
+        )
 
     def has_unfinished(self) -> bool:
         """Also True while tier transfers are in flight, so their completions are polled
@@ -308,7 +339,7 @@ class LLMEngine:
         self.scheduler.check_integrity()
         refs: dict[int, int] = {}
         for seq in self.scheduler.running:
-            for b in seq.block_table:
+            for b in self.block_manager.held_blocks(seq):
                 refs[b] = refs.get(b, 0) + 1
         for b, n in self.connector.held_refs().items():  # loads and in-flight transfers
             refs[b] = refs.get(b, 0) + n

@@ -6,6 +6,12 @@ tierguard/model/attention.py) and, when `kv_dtype` is fp8 or int8, the parallel 
 tensor `kv_scale` ([blocks, layers, 2, block_size, kv_heads], float32). Both are indexed
 by the same block id, so the tiers move a block's quantized bytes and its scales
 together. Knows nothing about scheduling policy.
+
+A model with sliding-window layers (Gemma 3) splits the pool into layer groups
+(tierguard/kv/groups.py): the pool's second dimension is the group width instead of
+all layers, every sequence has a table row per group, and each group gets its own
+attention metadata (group_metadata.py). Such a model runs on the torch path: the C
+decode kernel, the fused step and decode graphs assume one table for every layer.
 """
 
 from __future__ import annotations
@@ -14,11 +20,14 @@ import torch
 
 from tierguard.common.errors import TierguardError
 from tierguard.engine.decode_graphs import DecodeGraphs
+from tierguard.engine.group_metadata import group_metadata
 from tierguard.engine.scheduler import ScheduledSeq
+from tierguard.kv.groups import KVGroups
 from tierguard.kv.spec import DevicePool, KVLayout, dtype_name
 from tierguard.model import fused_decode, native
 from tierguard.model.attention import AttentionMetadata, PrefillChunk
 from tierguard.model.config import ModelConfig
+from tierguard.model.gemma3 import kv_groups
 from tierguard.model.llama import LlamaModel
 from tierguard.model.quantize import weight_bytes
 
@@ -27,18 +36,20 @@ WEIGHT_BITS = {"int8": 8, "int4": 4}  # nominal; the gauge weight_bytes has the 
 
 
 def kv_layout(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_dtype: str = "auto") -> KVLayout:
-    """The device pool's layout for a model dtype and a `--kv-dtype` choice."""
+    """The device pool's layout for a model dtype and a `--kv-dtype` choice; a block spans
+    one layer group (every layer unless the model has sliding-window layers)."""
+    layers = kv_groups(cfg).width
     if kv_dtype == "auto":
-        return KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, dtype_name(dtype))
+        return KVLayout(layers, cfg.num_kv_heads, cfg.head_dim, block_size, dtype_name(dtype))
     if kv_dtype == "fp8":
-        return KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, "float8_e4m3fn", "fp8")
+        return KVLayout(layers, cfg.num_kv_heads, cfg.head_dim, block_size, "float8_e4m3fn", "fp8")
     if kv_dtype == "int8":
-        return KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, "int8", "int8")
+        return KVLayout(layers, cfg.num_kv_heads, cfg.head_dim, block_size, "int8", "int8")
     raise TierguardError(f"unknown --kv-dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
 
 
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_dtype: str = "auto") -> int:
-    """Device bytes of one block across all layers, scales included:
+    """Device bytes of one block across its layers (a group's), scales included:
     2 x layers x block_size x kv_heads x (head_dim x itemsize + 4 if quantized)."""
     layout = kv_layout(cfg, block_size, dtype, kv_dtype)
     return layout.data_bytes_per_block + layout.scale_bytes_per_block
@@ -64,12 +75,14 @@ class ModelRunner:
         self.dtype = dtype
         self.kv_dtype = kv_dtype
         self.kv_layout = kv_layout(cfg, block_size, dtype, kv_dtype)
+        self.groups: KVGroups = kv_groups(cfg)
+        hybrid = self.groups.hybrid
         # Zeroed data and unit scales, not empty: padded decode gathers read real slots
         # that the mask hides, and garbage NaNs there would still poison softmax @ V.
         # Decode graphs (decode_graphs.py) pad with a scratch block no sequence owns: one
         # block past those the engine's pool hands out. Not with streamed weights (their
         # host copies happen in hooks a graph would not replay).
-        graphs = decode_graph_max_batch > 0 and model.weight_offloader is None
+        graphs = decode_graph_max_batch > 0 and model.weight_offloader is None and not hybrid
         self.device_pool = DevicePool.allocate(self.kv_layout, num_blocks + int(graphs), device)
         self.kv_cache = self.device_pool.tensors[0]
         self.kv_scale: torch.Tensor | None = (
@@ -77,11 +90,13 @@ class ModelRunner:
         )
         self._weight_bytes = weight_bytes(model)
         # Decodes on the CPU kernel when it covers this pool (float32, built); else gather + SDPA.
-        self.native_decode = self.kv_scale is None and native.supports(
-            self.kv_cache[:, 0], dtype, cfg.num_heads, cfg.num_kv_heads
+        self.native_decode = (
+            not hybrid
+            and self.kv_scale is None
+            and native.supports(self.kv_cache[:, 0], dtype, cfg.num_heads, cfg.num_kv_heads)
         )
-        # Block tables: row per sequence (see _row); grown on demand.
-        self._tables = torch.zeros(16, 64, dtype=torch.int32)
+        # Block tables: [group, row per sequence (see _row), block]; grown on demand.
+        self._tables = torch.zeros(self.groups.num_groups, 16, 64, dtype=torch.int32)
         self._tables_dev: torch.Tensor | None = None
         self._tables_dirty = True
         self._rows: dict[str, list] = {}  # seq id -> [row, the table list, entries written]
@@ -97,6 +112,13 @@ class ModelRunner:
                 max_batch=decode_graph_max_batch,
                 capture=device.type == "cuda",
             )
+
+    @property
+    def compute_path(self) -> str:
+        """How steps are computed, for serve's ready line and logs."""
+        return getattr(
+            self.model, "compute_path", "C decode kernels" if self.native_decode else "torch (SDPA attention)"
+        )
 
     @property
     def weight_dtype(self) -> str:
@@ -127,9 +149,12 @@ class ModelRunner:
             self._rows[seq.seq_id] = rec
         row, _, written = rec
         if written < len(table):
-            if len(table) > self._tables.shape[1]:
+            if len(table) > self._tables.shape[2]:
                 self._grow_width(len(table))
-            self._tables[row, written : len(table)] = torch.tensor(table[written:], dtype=torch.int32)
+            for g, group_table in enumerate(seq.block_tables):
+                # A freed entry (NULL, -1) is never read: any valid id stands in.
+                new = torch.tensor(group_table[written:], dtype=torch.int32).clamp_(min=0)
+                self._tables[g, row, written : len(table)] = new
             rec[2] = len(table)
             self._tables_dirty = True
         return row
@@ -141,15 +166,15 @@ class ModelRunner:
             self._free_rows.append(rec[0])
 
     def _grow_rows(self) -> None:
-        n = self._tables.shape[0]
-        self._tables = torch.cat([self._tables, torch.zeros_like(self._tables)])
+        n = self._tables.shape[1]
+        self._tables = torch.cat([self._tables, torch.zeros_like(self._tables)], dim=1)
         self._free_rows.extend(range(2 * n - 1, n - 1, -1))
         self._tables_dirty = True
 
     def _grow_width(self, need: int) -> None:
-        rows, width = self._tables.shape
-        wider = torch.zeros(rows, max(need, 2 * width), dtype=torch.int32)
-        wider[:, :width] = self._tables
+        groups, rows, width = self._tables.shape
+        wider = torch.zeros(groups, rows, max(need, 2 * width), dtype=torch.int32)
+        wider[:, :, :width] = self._tables
         self._tables = wider
         self._tables_dirty = True
 
@@ -175,7 +200,9 @@ class ModelRunner:
         while b < len(batch) and batch[b].num_tokens == 1:
             b += 1
         rows = [self._row(s.seq) for s in batch]
-        tables = self._device_tables()
+        if self.groups.hybrid:
+            return self._prepare_groups(batch, rows, b)
+        tables = self._device_tables()[0]
         meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decodes=b)
         bs = self.block_size
         slots: list[torch.Tensor] = []
@@ -228,6 +255,33 @@ class ModelRunner:
         pos_t = torch.tensor(pos, dtype=torch.long).to(self.device, non_blocking=True)
         return input_ids, pos_t, meta, sample_rows
 
+    def _prepare_groups(
+        self, batch: list[ScheduledSeq], rows: list[int], b: int
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """prepare() for a pool split into layer groups: one metadata per group."""
+        ids: list[int] = []
+        pos: list[int] = []
+        spans: list[tuple[int, int]] = []
+        sample_rows: list[int] = []
+        row = 0
+        for s in batch:
+            start = s.seq.num_computed_tokens
+            end = start + s.num_tokens
+            ids.extend(s.seq.token_ids[start:end])
+            pos.extend(range(start, end))
+            spans.append((start, end))
+            row += s.num_tokens
+            if s.samples:
+                sample_rows.append(row - 1)
+        metas = group_metadata(
+            self.groups, self._device_tables(), rows, spans, b, self.block_size, self.device, self.dtype
+        )
+        meta = metas[0]
+        meta.groups = metas
+        input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
+        pos_t = torch.tensor(pos, dtype=torch.long).to(self.device, non_blocking=True)
+        return input_ids, pos_t, meta, sample_rows
+
     def _step_call(self, batch: list[ScheduledSeq], rows: list[int], tables: torch.Tensor) -> native.DecodeCall:
         """A row per token of a step with prefill chunks, for the fused whole-step kernel:
         a chunk's token at position p is a decode-like row with context p + 1 in its
@@ -262,7 +316,7 @@ class ModelRunner:
         if graphs is None or self.native_decode or any(s.num_tokens != 1 for s in batch):
             return None
         rows = torch.tensor([self._row(s.seq) for s in batch], device=self.device)
-        tables = self._device_tables().index_select(0, rows)
+        tables = self._device_tables()[0].index_select(0, rows)
         ctx = [s.seq.num_computed_tokens + 1 for s in batch]
         ids = [s.seq.token_ids[c - 1] for s, c in zip(batch, ctx, strict=True)]
         logits = graphs.run(ids, ctx, tables)
@@ -292,7 +346,8 @@ class ModelRunner:
         offloaded, the offload's size and its per-step copy cost."""
         layout = self.kv_layout
         out = {
-            "kv_bytes_per_token": float(layout.bytes_per_token()),
+            # every layer's bytes (a block spans one group's layers)
+            "kv_bytes_per_token": float(layout.bytes_per_token() * self.groups.num_groups),
             "kv_quantized": float(layout.quantization != "none"),
             "weight_bytes": float(self._weight_bytes),
             "weight_bits": float(WEIGHT_BITS.get(self.weight_dtype, self.dtype.itemsize * 8)),

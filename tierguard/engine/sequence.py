@@ -38,6 +38,10 @@ class Sequence:
     Invariants: num_computed_tokens <= len(token_ids); the block table covers at least
     num_computed_tokens slots; block_hashes[i] is the prefix hash of full block i once
     that block's KV has been computed (only full, computed blocks are hashed).
+
+    A pool split into layer groups (tierguard/kv/groups.py) gives the sequence one table
+    per group, all of one length; `block_table` is group 0's (full attention). A sliding
+    group's entries before its window are NULL_BLOCK (freed).
     """
 
     def __init__(
@@ -55,7 +59,7 @@ class Sequence:
         self.arrival = arrival
         self.request_class = request_class
         self.status = SequenceStatus.WAITING
-        self.block_table: list[int] = []
+        self.block_tables: list[list[int]] = [[]]
         self.block_hashes: list[int] = []
         # Chained hashes of full blocks of token_ids (block_manager's lookup cache; tokens
         # only grow, so they stay valid), whether or not the blocks are computed.
@@ -68,6 +72,16 @@ class Sequence:
         # Its newest token's text is held back (half a character, or a possible stop
         # string): the client has seen nothing for a whole step already (scheduler).
         self.text_held = False
+
+    @property
+    def block_table(self) -> list[int]:
+        """Group 0's table (full attention): every block the sequence's context covers."""
+        return self.block_tables[0]
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        """Replace a single-group sequence's table."""
+        self.block_tables = [table]
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -14,6 +14,8 @@ lru.py            eviction policy, apart from the storage it protects
 transfer.py       transfer worker: jobs routed by (source spec, destination spec) to handlers
 copy_handlers.py  device <-> host (batched, contiguous) and host <-> cold medium handlers
 spec.py           KV layout (blocks first), device pool, the one model fingerprint
+groups.py         layer groups of the pool (full / sliding window) and the window arithmetic
+group_plan.py     which tier keys each group's blocks go out under and come back from
 guard.py          the decode guard: a disk read inside a decode step raises ColdContractViolation
 faults.py         fault injection for tests (errors and delays at real I/O points)
 quant.py          fp8 / int8 KV quantization and its error

@@ -51,6 +51,7 @@ class ConnectedSeq(Protocol):
     seq_id: str
     token_ids: list[int]
     block_table: list[int]
+    block_tables: list[list[int]]  # one per layer group; [0] is block_table
     block_hashes: list[int]
     request_class: str
 
@@ -72,9 +73,12 @@ class DeviceBlockPool(Protocol):
 class Match(Protocol):
     """A device prefix-cache match (tierguard.engine.block_manager.PrefixMatch)."""
 
-    block_ids: list[int]
+    block_ids: list[int]  # group 0's hits
     hashes: list[int]
-    missed_hashes: list[int]  # full-block hashes after the first device miss
+    missed_hashes: list[int]  # full-block hashes after the device match
+    group_ids: list[list[int]]  # layer groups 1..: hits aligned with block_ids, -1 outside a window
+
+    def device_blocks(self) -> list[int]: ...
 
 
 @dataclass

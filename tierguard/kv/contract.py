@@ -187,17 +187,24 @@ class ColdContract:
         staged_in_time: bool,
         recompute_ms: float | None = None,
         allow_async: bool = False,
+        can_wait: bool = True,
     ) -> Decision:
         """Choose between waiting for staged blocks, recomputing them, or going async.
 
         `staged_in_time`: the blocks arrived (or will, by the deadline). `recompute_ms`: an
         estimate of the prefill time of the missing prefix, when the caller has one.
+        `can_wait=False`: the engine cannot hold the request past this deadline (vLLM's
+        connector gives each class one deadline, batch a longer one), so batch recomputes too.
         """
         budget = self._budget_ms(request_class)
         if staged_in_time:
             decision = Decision("wait", "staged within the deadline")
-        elif request_class == BATCH:
+        elif request_class == BATCH and can_wait:
             decision = Decision("wait", "staging missed its deadline; batch tolerates delayed restore")
+        elif request_class == BATCH:
+            decision = Decision(
+                "recompute", "staging missed the batch deadline; the engine holds no request longer"
+            )
         elif allow_async and recompute_ms is not None and recompute_ms > self.async_factor * budget:
             decision = Decision(
                 "async",

@@ -13,6 +13,9 @@ One `_Load` record per load, from `start_load` until `poll()` hands the sequence
 Device blocks this object holds references on (for the engine's integrity check): the
 device hits and target blocks of every live load, the targets of abandoned loads until
 their copy ends, and the source blocks of in-flight offloads (`_pins`).
+
+A pool split into layer groups moves each group's blocks under its own key
+(group_plan.py): a sliding group sends out and loads back its window only.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from tierguard.kv.connector import (
 from tierguard.kv.contract import BATCH, ColdContract
 from tierguard.kv.copy_handlers import register_cold_medium, register_device_host
 from tierguard.kv.faults import FaultInjector
+from tierguard.kv.group_plan import load_keys, match_keys, offload_pairs
+from tierguard.kv.groups import KVGroups
 from tierguard.kv.manager import HOST, KVManager, LoadPlan, PersistPlan, StorePlan, TieredManager
 from tierguard.kv.media import ColdMedium, DeviceBlocks, HostSlots, MediumContext, create_medium
 from tierguard.kv.media.host import HostTier
@@ -49,8 +54,9 @@ class _Load:
     """One load, from start_load until its sequence is handed back or its copy ends."""
 
     seq: ConnectedSeq
-    held: list[int]  # device cache hits at the head of the sequence (references held)
+    held: list[int]  # device cache hits at the head of the sequence, all groups (references held)
     targets: list[int]  # device blocks being filled, in order (references held)
+    positions: list[int]  # the block position in the sequence of each target
     plan: LoadPlan  # the manager's pinned blocks, in the same order as `targets`
     started: float
     deadline: float
@@ -72,9 +78,11 @@ class TieredConnector(KVConnector):
         media: list[ColdMedium],
         worker: TransferWorker,
         contract: ColdContract,
+        groups: KVGroups | None = None,
     ) -> None:
         self.pool = pool
         self.block_size = block_size
+        self.groups = groups
         self.manager = manager
         self.host = host
         self.media = {m.name: m for m in media}  # read-only: tests and /health use it
@@ -103,6 +111,7 @@ class TieredConnector(KVConnector):
         options: TierOptions,
         contract: ColdContract,
         faults: FaultInjector | None = None,
+        groups: KVGroups | None = None,
     ) -> TieredConnector:
         """Host RAM, the configured cold media (by registered name), one transfer worker."""
         faults = faults or FaultInjector()
@@ -114,40 +123,53 @@ class TieredConnector(KVConnector):
         register_device_host(worker, device_pool, host)
         for medium in media:
             register_cold_medium(worker, host, medium)
-        return cls(pool, device_pool, block_size, TieredManager(host, media), host, media, worker, contract)
+        manager = TieredManager(host, media)
+        return cls(pool, device_pool, block_size, manager, host, media, worker, contract, groups)
 
     # ---- admission: staging from host RAM and cold media ----
 
+    def _load_keys(self, match: Match) -> tuple[int, list[int], list[int]]:
+        """(extra blocks, keys to load, their block positions)."""
+        if self.groups is None or not self.groups.hybrid:
+            n = self.manager.lookup(match.missed_hashes)
+            first = len(match.block_ids)
+            return n, match.missed_hashes[:n], list(range(first, first + n))
+        return load_keys(self.groups, self.manager.lookup, match, self.block_size)
+
+    def _device_blocks(self, match: Match) -> list[int]:
+        return match.device_blocks() if self.groups is not None and self.groups.hybrid else list(match.block_ids)
+
     def get_num_matched(self, seq: ConnectedSeq, match: Match) -> tuple[int, bool]:
-        self.manager.touch(match.hashes)
+        hybrid = self.groups is not None and self.groups.hybrid
+        self.manager.touch(match_keys(self.groups, match) if hybrid else match.hashes)
         if seq.seq_id in self._checked or not match.missed_hashes:
             return 0, False
         self._checked.add(seq.seq_id)  # one staging attempt per stage of work
-        n = self.manager.lookup(match.missed_hashes)
+        n = self._load_keys(match)[0]
         return n * self.block_size, n > 0
 
     def start_load(self, seq: ConnectedSeq, match: Match) -> bool:
-        hashes = match.missed_hashes
-        avail = self.manager.lookup(hashes)
+        avail, keys, positions = self._load_keys(match)
         if avail == 0:
             return False
+        held = self._device_blocks(match)
         # Hold the device hits first: allocating targets may otherwise evict them.
-        for b in match.block_ids:
+        for b in held:
             self.pool.acquire(b)
-        targets = [self.pool.allocate() for _ in range(avail)]
-        plan = self.manager.prepare_load(hashes[:avail])
+        targets = [self.pool.allocate() for _ in keys]
+        plan = self.manager.prepare_load(keys)
         n = len(plan.blocks)  # 0 when every host slot is pinned right now
         for b in targets[n:]:
             self.pool.release(b)
         if n == 0:
-            for b in match.block_ids:
+            for b in held:
                 self.pool.release(b)
             return False
         now = time.monotonic()
         # The stage starts now (admission or restore), not at arrival: a request that queued
         # for room must not lose its staging window to the queueing.
         deadline = self.contract.staging_deadline(self.contract.class_of(seq.request_class), now)
-        load = _Load(seq, list(match.block_ids), targets[:n], plan, now, deadline)
+        load = _Load(seq, held, targets[:n], positions[:n], plan, now, deadline)
         self._loads[seq.seq_id] = load
         staged = plan.staged()
         load.pending_stages = len(staged)
@@ -195,10 +217,10 @@ class TieredConnector(KVConnector):
                 self._unpin(b)
             return
         self._loads.pop(load.seq.seq_id, None)
-        seq, bs, first = load.seq, self.block_size, len(load.held)
-        # Publish what arrived under its hash: re-admission finds it as a device hit.
+        seq, bs = load.seq, self.block_size
+        # Publish what arrived under its key: re-admission finds it as a device hit.
         for i in range(num_blocks):
-            j = first + i
+            j = load.positions[i]
             self.pool.register(
                 load.targets[i], load.plan.blocks[i].block_hash, tuple(seq.token_ids[j * bs : (j + 1) * bs])
             )
@@ -248,10 +270,14 @@ class TieredConnector(KVConnector):
     def offload(self, seq: ConnectedSeq, preempted: bool) -> None:
         if preempted:
             self._checked.discard(seq.seq_id)  # its re-admission is a new stage: restore from host
-        n = min(len(seq.block_hashes), len(seq.block_table))
+        if self.groups is not None and self.groups.hybrid:
+            hashes, blocks = offload_pairs(self.groups, seq)
+        else:
+            n = min(len(seq.block_hashes), len(seq.block_table))
+            hashes, blocks = list(seq.block_hashes[:n]), seq.block_table[:n]
+        n = len(hashes)
         if n == 0:
             return
-        hashes, blocks = list(seq.block_hashes[:n]), seq.block_table[:n]
         persist = not preempted and bool(self.media)
         if persist:  # already in host RAM: only the write-behind is left to do
             self._persist([h for h in hashes if self.host.contains(h)])

@@ -53,7 +53,12 @@ class PrefillChunk:
     context_blocks: torch.Tensor | None = None
     # [n, num_cached + n]: query i (position num_cached + i) sees keys 0 ..= num_cached + i.
     # Built once per step by the runner, shared by all layers; None with context_blocks.
+    # A sliding-window group's chunk also hides keys before each query's window, and has
+    # a mask without context_blocks when the chunk is longer than the window.
     mask: torch.Tensor | None = None
+    # Position of the first key context_blocks holds: a sliding-window group gathers only
+    # the blocks its window reaches (0 for full attention).
+    first_key: int = 0
 
 
 @dataclass
@@ -71,6 +76,9 @@ class AttentionMetadata:
     # fused whole-step kernel (tierguard/model/fused_decode.py); the fields above remain
     # for the per-op path, which runs when the fused step steps aside.
     step_call: Any = None
+    # A pool split into layer groups (tierguard/kv/groups.py): one metadata per group,
+    # this one first; a layer uses its group's. Empty for a single-group pool.
+    groups: list[AttentionMetadata] = field(default_factory=list)
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
@@ -130,10 +138,12 @@ def paged_attention(
     kv_layer: torch.Tensor,
     meta: AttentionMetadata,
     scale_layer: torch.Tensor | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KV, D]; kv_layer: [N, 2, bs, KV, D]. Returns [T, H * D].
 
     `scale_layer` ([N, 2, bs, KV]) is given exactly when the pool is quantized.
+    `scale` multiplies q.k (None: head_dim ** -0.5).
     Writes this step's K/V into the cache first, so decodes read their own token back.
     """
     t, h, d = q.shape
@@ -160,7 +170,7 @@ def paged_attention(
         flat = meta.decode_blocks.view(-1)
         kd = _gather(kv_layer, scale_layer, 0, flat, q.dtype).view(b, -1, kvh, d).transpose(1, 2)
         vd = _gather(kv_layer, scale_layer, 1, flat, q.dtype).view(b, -1, kvh, d).transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
         out[:b] = od.reshape(b, h * d)
 
     for chunk in meta.prefills:
@@ -169,13 +179,18 @@ def paged_attention(
         if chunk.context_blocks is None:
             kp = k[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
             vp = v[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
-            op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=group > 1)
+            causal = chunk.mask is None
+            op = F.scaled_dot_product_attention(
+                qp, kp, vp, attn_mask=chunk.mask, is_causal=causal, enable_gqa=group > 1, scale=scale
+            )
         else:
-            ctx = chunk.num_cached + n
+            ctx = chunk.num_cached + n - chunk.first_key
             blocks = chunk.context_blocks
             kp = _gather(kv_layer, scale_layer, 0, blocks, q.dtype).view(-1, kvh, d)[:ctx]
             vp = _gather(kv_layer, scale_layer, 1, blocks, q.dtype).view(-1, kvh, d)[:ctx]
             kp, vp = kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0)
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=chunk.mask, enable_gqa=group > 1)
+            op = F.scaled_dot_product_attention(
+                qp, kp, vp, attn_mask=chunk.mask, enable_gqa=group > 1, scale=scale
+            )
         out[chunk.start : chunk.end] = op.squeeze(0).transpose(0, 1).reshape(n, h * d)
     return out

@@ -34,11 +34,11 @@ KINDS = {"int4": ("Q4_0", "Q4_1"), "int8": ("Q8_0",)}  # the GGUF types each lay
 
 
 def gguf_source(spec: str | Path) -> Path | None:
-    """The GGUF file behind a `--model` spec ('smollm2' or FILE.gguf), else None."""
-    from tierguard.model.registry import is_gguf, smollm2_gguf
+    """The GGUF file behind a `--model` spec ('smollm2', 'gemma3' or FILE.gguf), else None."""
+    from tierguard.model.registry import builtin_gguf, is_gguf
 
-    if str(spec) == "smollm2":
-        return smollm2_gguf()
+    if str(spec) in ("smollm2", "gemma3"):
+        return builtin_gguf(str(spec))
     path = Path(str(spec)).expanduser()
     return path if path.is_file() and is_gguf(path) else None
 
@@ -51,8 +51,9 @@ class GGUFBlocks:
         self.config = gr.hf_config(self.reader)
         self.permuted = gr.ARCHITECTURES[gr.architecture(self.reader)][2]
         self.tensors = {}
+        arch = gr.architecture(self.reader)
         for t in self.reader.tensors:
-            name = gr.hf_tensor_name(t.name)
+            name = gr.hf_tensor_name(t.name, arch)
             if name is not None:
                 self.tensors[name] = t
 

@@ -30,13 +30,18 @@ import numpy as np
 from tierguard.common.errors import TierguardError
 
 # GGUF architecture -> (HF architecture, model_type, whether q/k rows are permuted).
-# llama.cpp rotates adjacent pairs only for "llama"; qwen2/qwen3 use the NEOX (halves)
-# layout, like HF, so their rows are stored as HF has them.
+# llama.cpp rotates adjacent pairs only for "llama"; qwen2/qwen3/gemma3 use the NEOX
+# (halves) layout, like HF, so their rows are stored as HF has them.
 ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama", True),
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text", False),
 }
+# llama.cpp's gemma3 reader fixes what the file does not store: one global layer in six
+# and a sliding-layer RoPE base of 10000.
+GEMMA3_SLIDING_PATTERN = 6
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
 
 _LAYER = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -55,6 +60,15 @@ _LAYER = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma 3 normalizes around both sublayers: its ffn_norm is the pre-FFN norm, and two
+# post-norms have names of their own.
+_GEMMA3_LAYER = {
+    **_LAYER,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_LAYER_NAMES = {"gemma3": _GEMMA3_LAYER}
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -153,7 +167,46 @@ def hf_config(reader, torch_dtype: str = "float32") -> dict:
             config[hf_key] = int(value)
     if arch == "qwen2":
         config["use_sliding_window"] = False
+    if arch == "gemma3":
+        config.update(_gemma3_config(reader, config, tokens))
     return config
+
+
+def _gemma3_config(reader, config: dict, tokens: list) -> dict:
+    """Gemma 3's own keys, as transformers' Gemma3TextConfig names them. The file stores the
+    window; the layer pattern and the local RoPE base are llama.cpp's fixed values; the
+    query scalar is head_dim except on the 27B (62 layers), where llama.cpp uses
+    hidden / heads, as the original checkpoints do."""
+    layers, window = config["num_hidden_layers"], field(reader, "gemma3.attention.sliding_window")
+    types = [
+        "full_attention" if (i + 1) % GEMMA3_SLIDING_PATTERN == 0 else "sliding_attention" for i in range(layers)
+    ]
+    scalar = config["hidden_size"] // config["num_attention_heads"] if layers == 62 else config["head_dim"]
+    full_rope = {"rope_type": "default", "rope_theta": config["rope_theta"]}
+    if config.get("rope_scaling"):
+        full_rope.update(config["rope_scaling"])
+    out = {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "layer_types": types,
+        "sliding_window": int(window) if window else None,
+        "query_pre_attn_scalar": scalar,
+        "rope_local_base_freq": GEMMA3_LOCAL_ROPE_BASE,
+        "rope_parameters": {
+            "full_attention": full_rope,
+            "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_ROPE_BASE},
+        },
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "attention_bias": False,
+    }
+    pad = field(reader, "tokenizer.ggml.padding_token_id")
+    if pad is not None:
+        out["pad_token_id"] = int(pad)
+    # The instruction-tuned model ends its turns with <end_of_turn>: a stop token beside <eos>.
+    if "<end_of_turn>" in tokens and "eos_token_id" in config:
+        out["eos_token_id"] = [config["eos_token_id"], tokens.index("<end_of_turn>")]
+    return out
 
 
 def _rope_scaling(reader, arch: str) -> dict | None:
@@ -169,14 +222,21 @@ def _rope_scaling(reader, arch: str) -> dict | None:
     return out
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     """The HF name of a GGUF tensor; None for tensors a HF checkpoint does not store."""
     if gguf_name in _GLOBAL:
         return _GLOBAL[gguf_name]
+    layer = _LAYER_NAMES.get(arch, _LAYER)
     parts = gguf_name.split(".", 2)  # blk, N, rest
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER:
-        return f"model.layers.{int(parts[1])}.{_LAYER[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer:
+        return f"model.layers.{int(parts[1])}.{layer[parts[2]]}"
     return None
+
+
+def norm_shift(config: dict) -> float:
+    """What llama.cpp added to every RMSNorm weight when it wrote the file: Gemma's norms
+    scale by (1 + w), and its converter stores 1 + w; HF checkpoints store w."""
+    return 1.0 if config.get("model_type") == "gemma3_text" else 0.0
 
 
 def unpermute_qk(weight: np.ndarray, n_heads: int) -> np.ndarray:
@@ -208,10 +268,11 @@ def plan_tensors(reader) -> list[tuple[str, Any]]:
     written: unknown names and types `gguf` cannot dequantize are refused by name."""
     out = []
     checked: dict[Any, bool] = {}
+    arch = architecture(reader)
     for t in reader.tensors:
         if t.name in _IGNORED:
             continue
-        name = hf_tensor_name(t.name)
+        name = hf_tensor_name(t.name, arch)
         if name is None:
             raise TierguardError(f"GGUF tensor {t.name!r} has no place in a Llama-family model")
         if t.tensor_type not in checked:
@@ -236,6 +297,9 @@ def dequantize(tensor, config: dict, permuted: bool) -> np.ndarray:
 
     array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     array = np.asarray(array, dtype=np.float32).reshape(hf_shape(tensor))
+    shift = norm_shift(config)
+    if shift and tensor.name.endswith("norm.weight"):
+        array = array - np.float32(shift)
     if permuted:
         if tensor.name.endswith(("attn_q.weight", "attn_q.bias")):
             array = unpermute_qk(array, config["num_attention_heads"])

@@ -133,6 +133,13 @@ class LlamaModel(nn.Module):
             x = layer(x, rope, kv_cache[:, i], meta, None if kv_scale is None else kv_scale[:, i])
         return self.norm(x)
 
+    def make_rotary(self, device: torch.device | str) -> None:
+        """(Re)build the RoPE tables on `device` (the loader builds the model on "meta")."""
+        cfg = self.config
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, device
+        )
+
     def _fused_decoder(self) -> fused_decode.FusedDecoder | None:
         if self._fused is False or self.weight_offloader is not None:
             return None

@@ -1,4 +1,4 @@
-"""Load a Llama-family model from a local Hugging Face directory (never a hub).
+"""Load a Llama-family or Gemma 3 model from a local Hugging Face directory (never a hub).
 
 Reads config.json and every *.safetensors file (through model.safetensors.index.json when
 the checkpoint is sharded) one tensor at a time, fuses q/k/v and gate/up, and returns the
@@ -18,7 +18,7 @@ from torch import nn
 
 from tierguard.common.errors import TierguardError
 from tierguard.model.config import ModelConfig
-from tierguard.model.layers import RotaryEmbedding
+from tierguard.model.gemma3 import Gemma3Model
 from tierguard.model.llama import LlamaModel
 from tierguard.model.qlinear import WEIGHT_DTYPES
 from tierguard.model.quantize import WeightQuantizer, release_free_memory
@@ -105,6 +105,15 @@ def _fused_names(ckpt: _Checkpoint, cfg: ModelConfig) -> Iterator[tuple[str, lis
         yield dst + "mlp.down_proj.weight", [mlp + "down_proj.weight"]
         yield dst + "input_layernorm.weight", [src + "input_layernorm.weight"]
         yield dst + "post_attention_layernorm.weight", [src + "post_attention_layernorm.weight"]
+        if cfg.is_gemma3:
+            yield dst + "self_attn.q_norm.weight", [att + "q_norm.weight"]
+            yield dst + "self_attn.k_norm.weight", [att + "k_norm.weight"]
+            for norm in ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"):
+                yield dst + norm, [src + norm]
+
+
+def model_class(cfg: ModelConfig) -> type[LlamaModel]:
+    return Gemma3Model if cfg.is_gemma3 else LlamaModel
 
 
 def load_model(
@@ -130,7 +139,7 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, cfg)
     dev = resolve_device(device)
     with torch.device("meta"):
-        model = LlamaModel(cfg)
+        model = model_class(cfg)(cfg)
     quant = None
     if weight_dtype != "auto":
         quant = WeightQuantizer(weight_dtype, int4_group, dev, torch_dtype)
@@ -174,8 +183,6 @@ def finish_load(model: LlamaModel, cfg: ModelConfig, dev: torch.device, quant: W
         raise TierguardError(f"checkpoint lacks tensors for {missing[:3]}")
     if quant is not None:
         quant.finish(model)
-    model.rotary = RotaryEmbedding(
-        cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dev
-    )
+    model.make_rotary(dev)
     model.eval()
     release_free_memory()

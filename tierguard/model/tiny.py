@@ -4,6 +4,10 @@
 tokenizer.json, tokenizer_config.json, generation_config.json) that transformers loads
 too. The tokenizer is a byte-level BPE trained here on a generated ASCII corpus, so any
 text round-trips. Everything is a function of the arguments and the seed.
+
+`arch="gemma3"` writes a Gemma 3 shape: sandwich norms stored as w (scaled by 1 + w),
+q/k norms, tied embeddings, and every `sliding_pattern`-th layer full attention, the
+others sliding over `sliding_window` tokens (small, so short tests cross it).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ ARCHS = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 # Bump when the output of create_tiny changes, so cached copies are rebuilt.
 TINY_FORMAT_VERSION = 2
@@ -109,6 +114,8 @@ def create_tiny(
     rope_scaling: dict | None = None,
     dtype: str = "float32",
     head_dim: int | None = None,
+    sliding_window: int = 32,
+    sliding_pattern: int = 3,
 ) -> Path:
     """Write a random-weight model + tokenizer to `out_dir` and return the path."""
     import torch
@@ -146,11 +153,15 @@ def create_tiny(
     def rand(*shape: int, std: float) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * std
 
+    gemma = arch == "gemma3"
+    tie_word_embeddings = tie_word_embeddings or gemma
+
     def norm(dim: int) -> torch.Tensor:  # near 1, but not exactly, so a skipped norm shows in tests
-        return 1.0 + rand(dim, std=0.1)
+        return (0.0 if gemma else 1.0) + rand(dim, std=0.1)  # Gemma scales by (1 + w)
 
     std = hidden**-0.5
-    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rand(real_vocab, hidden, std=1.0)}
+    # Gemma multiplies the embedding by sqrt(hidden): rows of norm ~1 keep activations at 1.
+    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rand(real_vocab, hidden, std=std if gemma else 1.0)}
     for i in range(layers):
         p = f"model.layers.{i}."
         w[p + "self_attn.q_proj.weight"] = rand(heads * head_dim, hidden, std=std)
@@ -161,9 +172,12 @@ def create_tiny(
             w[p + "self_attn.q_proj.bias"] = rand(heads * head_dim, std=0.1)
             w[p + "self_attn.k_proj.bias"] = rand(kv_heads * head_dim, std=0.1)
             w[p + "self_attn.v_proj.bias"] = rand(kv_heads * head_dim, std=0.1)
-        if arch == "qwen3":
+        if arch in ("qwen3", "gemma3"):
             w[p + "self_attn.q_norm.weight"] = norm(head_dim)
             w[p + "self_attn.k_norm.weight"] = norm(head_dim)
+        if gemma:
+            w[p + "pre_feedforward_layernorm.weight"] = norm(hidden)
+            w[p + "post_feedforward_layernorm.weight"] = norm(hidden)
         w[p + "mlp.gate_proj.weight"] = rand(inter, hidden, std=std)
         w[p + "mlp.up_proj.weight"] = rand(inter, hidden, std=std)
         w[p + "mlp.down_proj.weight"] = rand(hidden, inter, std=inter**-0.5)
@@ -209,6 +223,8 @@ def create_tiny(
         config["use_sliding_window"] = False
     if arch == "mistral":
         config["sliding_window"] = None
+    if gemma:
+        config.update(_gemma3_config(layers, head_dim, rope_theta, sliding_window, sliding_pattern))
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", {"bos_token_id": bos_id, "eos_token_id": eos_id})
     _write_json(
@@ -224,6 +240,32 @@ def create_tiny(
         },
     )
     return out
+
+
+def _gemma3_config(layers: int, head_dim: int, rope_theta: float, window: int, pattern: int) -> dict:
+    if window < 1 or pattern < 1:
+        raise TierguardError(f"gemma3: sliding window ({window}) and pattern ({pattern}) must be positive")
+    types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+    if "full_attention" not in types:
+        raise TierguardError(f"gemma3: {layers} layers with pattern {pattern} leave no full-attention layer")
+    local = 10000.0
+    return {
+        "model_type": "gemma3_text",
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "layer_types": types,
+        "sliding_window": window,
+        "query_pre_attn_scalar": head_dim,
+        "rope_theta": rope_theta,
+        "rope_local_base_freq": local,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": rope_theta},
+            "sliding_attention": {"rope_type": "default", "rope_theta": local},
+        },
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "tie_word_embeddings": True,
+    }
 
 
 def _unprintable_ids(tok, keep: set[int]) -> list[int]:

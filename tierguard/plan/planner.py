@@ -59,8 +59,16 @@ def _kv_dtype(p: PlanInputs, spec: ModelSpec) -> str:
         return p.kv_dtype
     if p.engine == "llamacpp":
         return "f16"
-    w = p.weights_dtype.strip().lower()
+    w = _weights_dtype(p, spec).strip().lower()
     return w if w in ("fp32", "float32", "fp16", "float16", "bf16", "bfloat16") else "auto"
+
+
+def _weights_dtype(p: PlanInputs, spec: ModelSpec) -> str:
+    """tierguard serve's `--dtype auto` keeps a float checkpoint's own dtype (float32 runs
+    in float32, its KV too), where vLLM's `auto` runs float32 checkpoints in bf16."""
+    if p.engine == "tierguard" and p.weights_dtype.strip().lower() == "auto" and not spec.quantization:
+        return str(spec.torch_dtype)
+    return p.weights_dtype
 
 
 def _batching(p: PlanInputs, rules: EngineRules | None, gpu: GPU | None, mml: int) -> tuple[int, int, str]:
@@ -99,7 +107,7 @@ def make_plan(p: PlanInputs) -> dict:
     fmt = kv_format(_kv_dtype(p, spec), spec.torch_dtype)
     if fmt.name == "fp8_ds_mla" and spec.mla is None:
         raise TierguardError("--kv-dtype fp8_ds_mla applies only to MLA models (DeepSeek-V2/V3)")
-    wfmt = weight_format(p.weights_dtype, spec.torch_dtype, spec.quantization)
+    wfmt = weight_format(_weights_dtype(p, spec), spec.torch_dtype, spec.quantization)
     cpu = p.target == "cpu"
     if cpu:
         wfmt = cpu_weight_format(wfmt)  # tierguard serve's own int8/int4 bytes

@@ -69,16 +69,28 @@ class HostTier:
         block_bytes: int,
         pin_memory: bool | None = None,
         policy: EvictionPolicy | None = None,
+        slab: torch.Tensor | None = None,
     ) -> None:
+        """`slab`: rows the caller allocated (uint8, [slots, >= block_bytes]), e.g. shared
+        memory another process copies through; by default the tier allocates its own."""
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
         self.block_bytes = block_bytes
         self.num_slots = max(0, int(capacity_bytes) // block_bytes)
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
-        # One allocation for the whole budget; rows are block slots.
-        self.slab = torch.empty((self.num_slots, block_bytes), dtype=torch.uint8, pin_memory=pin_memory)
-        self.pinned = bool(pin_memory)
+        if slab is not None:
+            if slab.dtype != torch.uint8 or slab.dim() != 2 or slab.shape[1] < block_bytes:
+                raise ValueError(
+                    f"host slab must be uint8 [slots, >= {block_bytes}], got {slab.dtype} {tuple(slab.shape)}"
+                )
+            self.num_slots = min(self.num_slots, int(slab.shape[0]))
+            self.slab = slab
+            self.pinned = False
+        else:
+            # One allocation for the whole budget; rows are block slots.
+            self.slab = torch.empty((self.num_slots, block_bytes), dtype=torch.uint8, pin_memory=pin_memory)
+            self.pinned = bool(pin_memory)
         self._free: list[int] = list(range(self.num_slots - 1, -1, -1))
         self._entries: dict[int, _Entry] = {}
         self._lru: EvictionPolicy = policy if policy is not None else LRUPolicy()  # READY, unreferenced
@@ -189,6 +201,16 @@ class HostTier:
             self._lru.remove(block_hash)
             self._free.append(entry.slot)
             return True
+
+    def clear(self) -> int:
+        """Drop every READY, unreferenced block (a cache reset); returns how many."""
+        with self._lock:
+            victims = list(self._lru)
+            for h in victims:
+                entry = self._entries.pop(h)
+                self._lru.remove(h)
+                self._free.append(entry.slot)
+            return len(victims)
 
     # ---- accounting ----
 
