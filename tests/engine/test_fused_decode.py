@@ -59,7 +59,8 @@ def _chunked_steps_match(model_dir, weight_dtype, tokens, monkeypatch) -> int:
     def run(fused: bool):
         monkeypatch.setenv("TIERGUARD_FUSED_DECODE", "1" if fused else "0")
         engine = build_engine(model_dir, kv_cache_gib=0.01, max_model_len=128, weight_dtype=weight_dtype,
-                              max_num_seqs=5, max_num_batched_tokens=tokens)
+                              max_num_seqs=5, max_num_batched_tokens=tokens,
+                              target_itl_ms=0.0)  # chunks by the token budget alone, not by step times
         steps, flags = [], []
         engine.add_step_listener(lambda s: steps.append(s.num_prefill_tokens))
         real_run = fused_decode.FusedDecoder.run
