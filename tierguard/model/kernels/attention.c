@@ -275,15 +275,6 @@ typedef float v16 __attribute__((vector_size(64), aligned(4)));
 static __thread float *tg_abuf;
 static __thread int64_t tg_abuf_len;
 
-static float *chunk_buffer(int64_t floats) {
-    if (tg_abuf_len < floats) {
-        free(tg_abuf);
-        tg_abuf = malloc(sizeof(float) * (size_t)floats);
-        tg_abuf_len = tg_abuf ? floats : 0;
-    }
-    return tg_abuf;
-}
-
 /* sc[t][j0 .. j0 + 32) = q_t . K[j] for nt query vectors (rows of D) and the keys
  * j < lim (rounded up to 32), K transposed in kt [D][Lp]. */
 static inline __attribute__((always_inline)) void score_tile(const float *q, int D, const float *kt, int Lp, int lim,
@@ -333,7 +324,7 @@ int attend_chunk(const tg_decode_args *a, int b0, int n, int h) {
     const int L = a->ctx[b0 + n - 1], Lp = (L + 31) / 32 * 32;
     const int64_t row = (int64_t)KV * D;
     const int32_t *table = a->tables + (int64_t)a->rows[b0] * a->table_stride;
-    float *buf = chunk_buffer((int64_t)D * Lp + (int64_t)NQ * (Lp + D));
+    float *buf = tg_thread_buffer(&tg_abuf, &tg_abuf_len, (int64_t)D * Lp + (int64_t)NQ * (Lp + D));
     if (!buf) return -1;
     float *kt = buf, *sc = kt + (int64_t)D * Lp, *q = sc + (int64_t)NQ * Lp;
     for (int j = 0; j < Lp; j++) { /* K^T: kt[d * Lp + j] */

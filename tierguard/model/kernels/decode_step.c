@@ -265,13 +265,9 @@ int tg_decode_step(const tg_step_args *s) {
     a.out = att;
     a.work = s->work;
     const int KV = m->kv_heads;
-    att_unit *units = NULL;
-    int64_t nunits = 0;
-    if (s->ordered) {
-        units = malloc(sizeof(att_unit) * (size_t)(B * KV));
-        if (!units) return -1;
-        nunits = att_units(&a, units);
-    }
+    att_unit *units = s->ordered ? malloc(sizeof(att_unit) * (size_t)(B * KV)) : NULL;
+    if (s->ordered && !units) return -1;
+    const int64_t nunits = units ? att_units(&a, units) : 0;
 #pragma omp parallel num_threads(s->threads)
     {
         const int tid = omp_get_thread_num();

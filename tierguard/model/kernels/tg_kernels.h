@@ -88,6 +88,18 @@ static inline float hsum8(v8 x) {
 
 static inline v8 load8(const float *p) { return *(const v8 *)p; }
 
+/* A thread's scratch that grows to the largest request and is kept for the next call:
+ * each caller holds its own __thread pointer and length. Returns NULL (and holds
+ * nothing) when the memory is not there. */
+static inline float *tg_thread_buffer(float **buf, int64_t *len, int64_t floats) {
+    if (*len < floats) {
+        free(*buf);
+        *buf = malloc(sizeof(float) * (size_t)floats);
+        *len = *buf ? floats : 0;
+    }
+    return *buf;
+}
+
 /* Specialised on M so the inner loops over m unroll. */
 #define TG_SPLIT(CALL)                                                                   \
     switch (M) {                                                                         \
