@@ -4,7 +4,8 @@ One engine per weight kind (float32 `auto`, `bf16`, `int8`) on one model (defaul
 SmolLM2-135M-Instruct). Each round measures every kind in turn (the order rotates per
 round, so a neighbour's load falls on all of them): steady-state decode tok/s at each
 `--batch` (tierguard.engine.speed.measure), and the prefill tok/s of one step that
-carries a `--chunk`-token prompt. Reported: the median over rounds per kind, and each
+carries a `--chunk`-token prompt, through the fused step and through the per-op path
+(torch's matmuls). Reported: the median over rounds per kind, and each
 kind's ratio to float32 per round and its median. Absolute figures depend on the machine
 and what else runs on it; the ratios are the result. Also in the JSON: the instruction
 sets the kernels were built with and the peak multiply-add rates of the same process
@@ -44,14 +45,21 @@ KINDS = ("auto", "bf16", "int8")
 PEAK_OF = {"auto": "float32_fma", "bf16": "bfloat16_dot", "int8": "float32_fma"}  # int8 widens to float32
 
 
-def prefill_rate(engine, chunk: int, tag: str) -> float:
-    """Tokens/s of one step that prefills a fresh `chunk`-token prompt (nothing cached)."""
+def prefill_rate(engine, chunk: int, tag: str, fused: bool = True) -> float:
+    """Tokens/s of one step that prefills a fresh `chunk`-token prompt (nothing cached);
+    `fused=False`: through the per-op path (torch's matmuls), as a step over the fused
+    step's row limit would run."""
     vocab = engine.model_config.vocab_size - 10
     ids = [(13 * i + zlib.crc32(tag.encode())) % vocab + 5 for i in range(chunk)]
     engine.add_request(tag, ids, SamplingParams(max_tokens=1, temperature=0.0))
-    start = time.perf_counter()
-    engine.step()
-    elapsed = time.perf_counter() - start
+    limit = fused_decode.MAX_BATCH
+    fused_decode.MAX_BATCH = limit if fused else 0
+    try:
+        start = time.perf_counter()
+        engine.step()
+        elapsed = time.perf_counter() - start
+    finally:
+        fused_decode.MAX_BATCH = limit
     while engine.has_unfinished():
         engine.step()
     return chunk / elapsed
@@ -108,6 +116,7 @@ def main() -> int:
         )
     decode: dict = {k: {b: [] for b in batches} for k in kinds}
     prefill: dict = {k: [] for k in kinds}
+    per_op: dict = {k: [] for k in kinds}
     short = {k: 0 for k in kinds}
     for kind in kinds:  # warm-up, not counted: first-touch of the weights, the KV pool, buffers
         measure(engines[kind], max(batches), args.prompt_len, 4, 0.0)
@@ -121,6 +130,7 @@ def main() -> int:
                 decode[kind][b].append(res["tokens_per_s"])
                 short[kind] += res["tokens"] < b * args.steps
             prefill[kind].append(prefill_rate(engine, args.chunk, f"prefill-{kind}-{r}"))
+            per_op[kind].append(prefill_rate(engine, args.chunk, f"per-op-{kind}-{r}", fused=False))
         print(f"round {r}: " + json.dumps({k: {b: decode[k][b][-1] for b in batches} for k in kinds}),
               file=sys.stderr, flush=True)
     peaks = {name: native.peak_ops(name) for name in native.PEAK_KINDS}
@@ -149,6 +159,10 @@ def main() -> int:
             "bytes_vs_float32": round(eng.runner.weight_bytes / engines[base].runner.weight_bytes, 4),
             "decode_tok_s": med_decode,
             "prefill_tok_s": med_prefill,
+            "prefill_per_op_tok_s": round(statistics.median(per_op[kind]), 1),
+            "prefill_fused_vs_per_op": round(
+                statistics.median(x / y for x, y in zip(prefill[kind], per_op[kind], strict=True)), 3
+            ),
             "fused_steps": decoder.steps if isinstance(decoder, fused_decode.FusedDecoder) else 0,
             "short_batches": short[kind],
             "gflop_per_token": round(fpt / 1e9, 4),
