@@ -98,7 +98,10 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--threads", type=int, default=None, help="torch's (and the kernels') threads")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batch.split(",")]
     kinds = args.kinds.split(",")
     model_dir = resolve_model(args.model)
