@@ -100,8 +100,6 @@ def main() -> int:
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--threads", type=int, default=None, help="torch's (and the kernels') threads")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batch.split(",")]
     kinds = args.kinds.split(",")
     model_dir = resolve_model(args.model)
@@ -112,6 +110,7 @@ def main() -> int:
             gguf_path=gguf_source(args.model) if kind in ("int8", "int4") else None,
             kv_cache_gib=0.25,
             weight_dtype=kind,
+            num_threads=args.threads,
             max_model_len=max(args.chunk, args.prompt_len + args.steps + 64) + 16,
             max_num_seqs=max(batches),
             max_num_batched_tokens=max(512, args.chunk, max(batches)),
