@@ -34,18 +34,37 @@ from tierguard.kv.contract import LOOKAHEAD, ColdContract
 
 
 class AdmissionPolicy:
+    """The scheduler's admission hooks; the defaults are FIFO with room for the first chunk.
+
+    The scheduler calls them from the engine thread inside a step, so an implementation
+    must answer from memory (no I/O, no waiting), must not allocate or free blocks, and
+    must not change the queue or the running set except where a method says so. The
+    scheduler keeps the mechanism: it checks the first chunk against the pool itself,
+    removes an admitted sequence from `waiting` and preempts a victim it is given.
+    """
+
     def head(self, waiting: OrderedDict[str, Sequence]) -> Sequence:
+        """The waiting sequence to try next: one of `waiting`'s values (never empty)."""
         return next(iter(waiting.values()))
 
     def has_room(self, seq: Sequence, match: PrefixMatch, reserve: int, running: list[Sequence]) -> bool:
+        """Whether `seq` (with its device prefix `match`) may be admitted now, keeping
+        `reserve` blocks free for the `running` sequences. True promises no blocks: the
+        scheduler still checks the first chunk against the pool and stops if it does not fit."""
         return True
 
     def on_no_room(
         self, head: Sequence, waiting: OrderedDict[str, Sequence], reserve: int, running: list[Sequence]
     ) -> bool:
+        """`head` has no room. True after moving another waiting request to the front of
+        `waiting`: the scheduler asks `head` again within the same step, so True must mean
+        that `head` now returns a different sequence. False ends admission for this step."""
         return False
 
     def room_victim(self, running: list[Sequence]) -> Sequence | None:
+        """At the start of a step: one of `running`, holding blocks, to preempt so that a
+        waiting sequence gets room (it requeues at the front; its blocks go to host RAM
+        through the connector), or None."""
         return None
 
 
@@ -54,6 +73,8 @@ class FifoAdmission(AdmissionPolicy):
 
 
 class ContractAdmission(AdmissionPolicy):
+    """The cold contract's class order with the block manager's facts (module docstring)."""
+
     def __init__(self, block_manager: BlockManager, contract: ColdContract) -> None:
         self.bm = block_manager
         self.contract = contract

@@ -113,7 +113,19 @@ class AdmissionStats:
 
 
 class AdmissionController:
-    """Owns the slots and queues. Not thread-safe: use from one event loop."""
+    """Owns the slots and queues: the admission interface of `tierguard gate` and
+    `tierguard serve` (`SharedAdmission` implements acquire, release, classify, record,
+    retry_after_s, stats and check_integrity the same way, with fleet-wide limits).
+
+    What a caller may assume: `acquire` returns a Ticket holding one slot or raises an
+    AdmissionDecision (Rejected, Downgrade or HandOff), and counts the decision either
+    way; a request waits at most `max_queue_wait_ms` (or `max_wait_s`, if shorter), except
+    a background one, which waits without a deadline; a caller cancelled while it waits
+    holds no slot. A slot is held until `release(ticket)`, which never blocks and may be
+    called twice. At most `max_concurrency` slots are out at once, at most `max_long` of
+    them long; a class is served in arrival order, and a freed slot goes to interactive,
+    then long, then batch. Not thread-safe: use from one event loop.
+    """
 
     def __init__(self, policy: AdmissionPolicy, on_decision: Callable[[str, str], None] | None = None) -> None:
         self.policy = policy.validate()

@@ -72,7 +72,9 @@ class SharedCounters:
 
 
 class SharedAdmission:
-    """AdmissionController's interface over leases in Redis; one event loop, not thread-safe."""
+    """AdmissionController's interface and contract over leases in Redis, the limits
+    fleet-wide (within what the fallback cannot promise: module docstring); one event
+    loop, not thread-safe."""
 
     def __init__(self, policy: AdmissionPolicy, store: LeaseStore, *, min_gates: int = 1) -> None:
         self.policy = policy.validate()

@@ -122,32 +122,66 @@ class TierStats:
 
 
 class KVConnector(ABC):
-    """The scheduler-side connector contract (see the module docstring)."""
+    """The scheduler-side connector contract (see the module docstring for the hooks).
+
+    Every method is called from the engine thread, one at a time; none may wait on a
+    transfer or do disk or network I/O (copies run elsewhere and finish in `poll`). A
+    failure in a tier never reaches the caller as an exception: it shows as fewer blocks
+    loaded (the rest recomputes) or fewer blocks stored.
+    """
 
     @abstractmethod
     def get_num_matched(self, seq: ConnectedSeq, match: Match) -> tuple[int, bool]:
-        """Tokens after the device hits that a tier holds, and whether they must be loaded
-        asynchronously before the sequence runs. One look per stage of work."""
+        """How many tokens after the device hits some tier holds, and whether they must be
+        loaded asynchronously before the sequence runs.
+
+        Args:
+            seq: a waiting sequence the scheduler is about to admit.
+            match: its device prefix-cache match (`missed_hashes`: the full blocks after
+                the first device miss).
+
+        Returns:
+            (tokens, load_async). (0, False) means admit it now and compute those tokens.
+            An implementation looks at most once per stage of work (from the first call
+            until the sequence is preempted or aborted) and answers (0, False) after
+            that, so a sequence whose load ended or was abandoned is admitted and
+            computes what did not arrive.
+        """
 
     @abstractmethod
     def start_load(self, seq: ConnectedSeq, match: Match) -> bool:
-        """Stage the tier blocks; True: the sequence waits for poll() to hand it back.
-        The caller checked that the pool has room for the whole remaining prompt."""
+        """Stage the tier-resident blocks after `match` into newly allocated device blocks.
+
+        The caller checked that the pool has room for the whole remaining prompt. Returns
+        True when a load started: the sequence leaves the queue, and the connector holds
+        references on its device hits and target blocks until `poll` hands it back (the
+        arrived blocks are then published in the device prefix cache, so re-admission
+        finds them as ordinary hits) or until `abort` (targets still being filled are
+        released when their copy ends). False: nothing was taken; the sequence is
+        admitted as is.
+        """
 
     @abstractmethod
     def offload(self, seq: ConnectedSeq, preempted: bool) -> None:
-        """Copy out a sequence's full blocks before the scheduler releases them."""
+        """A running sequence leaves the device (`preempted`, or finished): start copying
+        its full blocks out. Called before the scheduler frees them; the connector keeps
+        its own references on the source blocks until their copy ends (`poll` returns
+        them in `released_blocks`). What the tiers cannot take is recomputed later.
+        """
 
     @abstractmethod
     def poll(self) -> PollResult:
-        """Advance transfers and deadlines; never waits."""
+        """Advance transfers and deadlines; never waits. Returns the sequences whose
+        loads ended (to requeue at the front: each at most once, and never one that was
+        aborted) and the device blocks the connector stopped holding."""
 
     @abstractmethod
     def abort(self, seq: ConnectedSeq) -> None:
-        """The sequence is gone: drop its load (if any) and what is known about it."""
+        """The sequence is gone (finished or aborted): drop its load, if any, and what is
+        known about it. Idempotent; `poll` never hands it back afterwards."""
 
     def busy(self) -> bool:
-        """True while a load or a transfer is outstanding (the engine keeps polling)."""
+        """True while a load or a transfer is outstanding: the engine keeps polling."""
         return False
 
     def held_refs(self) -> Counter[int]:
@@ -155,6 +189,7 @@ class KVConnector(ABC):
         return Counter()
 
     def stats(self, max_age_s: float = 0.0) -> TierStats | None:
+        """The tiers' signals (None without tiers); may be up to `max_age_s` old."""
         return None
 
     def health(self) -> dict[str, tuple[bool, str]] | None:
@@ -162,7 +197,8 @@ class KVConnector(ABC):
         return None
 
     def close(self, timeout_s: float = 10.0) -> None:  # noqa: B027 - nothing to close by default
-        """Let in-flight writes finish (bounded), then stop."""
+        """Let in-flight writes finish (bounded by `timeout_s`), then stop; no hook is
+        called afterwards."""
 
 
 class NoConnector(KVConnector):

@@ -82,44 +82,69 @@ class ManagerStats:
 
 
 class KVManager(ABC):
-    """The manager's contract (see the module docstring for the call order)."""
+    """The manager's contract (see the module docstring for the call order).
+
+    Block lists are chains: block i's hash covers blocks 0..i, so every answer is about
+    leading blocks and stops at the first gap. The engine thread calls every method but
+    `stats`; an implementation does no I/O and never raises for a block it cannot serve:
+    it plans fewer blocks. Every block a `prepare_*` returns stays pinned (its host slot
+    neither evicted nor reused) until the caller ends that plan with the matching
+    `complete_*`, once.
+    """
 
     @abstractmethod
     def lookup(self, hashes: list[int]) -> int:
-        """How many leading blocks some tier holds. No I/O, no state change."""
+        """How many leading blocks of `hashes` some tier holds. No I/O and no state
+        change, so it is safe inside a step; a block counted here may still fail to pin
+        or to stage later."""
 
     @abstractmethod
     def touch(self, hashes: list[int]) -> None:
-        """These blocks were just used (e.g. device prefix hits): keep their copies warm."""
+        """These blocks were just used (e.g. device prefix hits): keep their host copies
+        warm for eviction. No I/O."""
 
     @abstractmethod
     def prepare_load(self, hashes: list[int]) -> LoadPlan:
-        """Pin the leading loadable blocks; stops at the first one that cannot be pinned."""
+        """Pin the leading loadable blocks of `hashes`, in order; stops at the first block
+        that no tier holds or that cannot be pinned (every host slot pinned). Host blocks
+        are pinned for reading; a cold block gets a reserved host slot to be staged into
+        (`LoadPlan.staged`). The caller ends the plan with `complete_stage` when it has
+        staged blocks, then always with `complete_load`."""
 
     @abstractmethod
     def complete_stage(self, plan: LoadPlan, ok: dict[int, bool]) -> int:
-        """Publish staged blocks; returns how many leading blocks stay loadable."""
+        """The cold -> host copies of `plan` ended; `ok[hash]` says which arrived intact.
+        Publishes those in host RAM and returns how many leading blocks stay loadable;
+        every later block is released here. The caller loads only that prefix."""
 
     @abstractmethod
     def complete_load(self, plan: LoadPlan, keep: int) -> None:
-        """Unpin the first `keep` blocks once their host -> device copy ended."""
+        """Unpin the first `keep` blocks of `plan` once their host -> device copy ended
+        (or was given up)."""
 
     @abstractmethod
     def prepare_store(self, hashes: list[int]) -> StorePlan:
-        """Reserve host slots for blocks not already in host RAM."""
+        """Reserve host slots for the blocks of `hashes` not in host RAM yet, in order;
+        stops at the first that gets no slot (storing fewer blocks is always safe). A
+        reserved block is not loadable until `complete_store(plan, success=True)`."""
 
     @abstractmethod
-    def complete_store(self, plan: StorePlan, success: bool) -> None: ...
+    def complete_store(self, plan: StorePlan, success: bool) -> None:
+        """The device -> host copy of `plan` ended: on success its blocks become
+        loadable, otherwise their slots are freed."""
 
     @abstractmethod
     def prepare_persist(self, hashes: list[int]) -> list[PersistPlan]:
-        """Pin host-resident blocks that a cold medium does not hold yet, per medium."""
+        """Per cold medium that accepts writes: the host-resident blocks of `hashes` it
+        does not hold yet, pinned for reading. Each plan ends with `complete_persist`."""
 
     @abstractmethod
-    def complete_persist(self, plan: PersistPlan, ok: list[bool]) -> None: ...
+    def complete_persist(self, plan: PersistPlan, ok: list[bool]) -> None:
+        """The host -> cold writes of `plan` ended (`ok` per block): unpin its host blocks."""
 
     @abstractmethod
-    def stats(self) -> ManagerStats: ...
+    def stats(self) -> ManagerStats:
+        """A copy of the counters; callable from any thread."""
 
 
 class TieredManager(KVManager):

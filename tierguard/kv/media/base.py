@@ -3,7 +3,7 @@
 Two kinds of spec (vLLM's `LoadStoreSpec`) say where a transfer's blocks are:
 - addressed by slot: `DeviceBlocks` (device pool block ids), `HostSlots` (host slab rows);
 - addressed by chained block hash: a `KeyedBlocks` subclass per cold medium
-  (`DiskBlocks` in disk_tier.py; a remote store adds its own).
+  (`DiskBlocks` in disk/tier.py, `RemoteBlocks` in remote/tier.py).
 The transfer worker routes a job by the (source spec class, destination spec class) pair
 (`TransferWorker.register_handler`), so a new medium brings its spec class and needs no
 change to the worker, the manager or the engine.
@@ -75,13 +75,22 @@ Buffer = torch.Tensor | bytes | bytearray | memoryview
 
 
 class ColdMedium(ABC):
-    """A keyed block store below host RAM. Thread-safe.
+    """A keyed block store below host RAM, addressed by chained block hash. Thread-safe.
 
-    Contract: `contains` does no I/O and changes nothing. `write_many`/`read_many` run on
-    transfer worker threads only; every failure is a False for that block (a miss, counted
-    by the medium), never an exception, except `ColdContractViolation` for a read from
-    inside a decode step. `healthy`/`reason` feed /health; `writes_enabled` False means
-    the manager stops sending blocks here (reads go on).
+    What the caller may assume: `contains` does no I/O and changes nothing, so the
+    scheduler may call it anywhere, a decode step included. `write_many` and `read_many`
+    answer every item with a bool and raise nothing for a failed block (an I/O error, a
+    bad checksum, an unreachable server, a block that expired or cannot be decoded):
+    that block is a False, counted by the medium. The one exception is
+    `ColdContractViolation`, raised by a read from inside a decode step (a programming
+    error, counted before it is raised).
+
+    What an implementation must guarantee: a block is either stored whole or not found
+    (a torn write is never read back as data); the same (model fingerprint, hash) is
+    the same bytes, so writing a block the medium holds is a success without a write;
+    reads and writes run only on the transfer worker's threads, and may take as long as
+    the medium needs. `healthy` and `reason` feed /health; `writes_enabled` False means
+    the manager stops sending blocks here, while reads of stored blocks go on.
     """
 
     name: ClassVar[str]
@@ -91,13 +100,19 @@ class ColdMedium(ABC):
     reason: str
 
     @abstractmethod
-    def contains(self, block_hash: int) -> bool: ...
+    def contains(self, block_hash: int) -> bool:
+        """Whether a read of this block may succeed: an index lookup, no I/O."""
 
     @abstractmethod
-    def write_many(self, items: list[tuple[int, Buffer]]) -> list[bool]: ...
+    def write_many(self, items: list[tuple[int, Buffer]]) -> list[bool]:
+        """Store (hash, payload) pairs, given in prefix order; per item, True when the
+        block is stored (or already was). A medium short of room keeps the head of a
+        prefix rather than its tail."""
 
     @abstractmethod
-    def read_many(self, items: list[tuple[int, Buffer]]) -> list[bool]: ...
+    def read_many(self, items: list[tuple[int, Buffer]]) -> list[bool]:
+        """Fill each (hash, out) buffer with the block's payload; per item, True when
+        `out` holds the verified payload (on False its contents are unspecified)."""
 
     @abstractmethod
     def stats(self) -> Any:
