@@ -36,9 +36,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-# Contexts of the real-model section: what fits the demo's 6-minute budget on 2 CPU cores
-# next to the sweep. 256 + 512 tokens cost 218 s of CPU; 256 alone, 20 passkey trials per
-# dtype, 118 s of CPU (157 s wall on a shared 2-core machine, the trials 132 s of it).
+# Contexts of the real-model section: what fits the demo's few-minute budget on a small
+# CPU next to the sweep (a longer context adds more than the sweep's own time).
 # `tierguard kvcheck` itself defaults to 1k..8k.
 REAL_MODEL_CONTEXTS = [256]
 
@@ -69,10 +68,9 @@ def real_model_section(console, run_dir: Path) -> None:
     with console.status("importing SmolLM2 from its GGUF (first run only)..."):
         resolve_model("smollm2")
     with console.status(f"kvcheck: int8 and fp8 vs the unquantized pool at {contexts} tokens..."):
-        # Alone on the machine after the sweep: every core. On 2 idle cores this section
-        # took 64 s with 2 threads and 84 s with 1. On cores that other jobs keep busy two
-        # OpenMP threads wait on each other at every matmul (1 thread 157 s, 2 threads
-        # over 250 s at load 6): TIERGUARD_KVCHECK_THREADS=1 is the setting there.
+        # Alone on the machine after the sweep: every core. On cores that other jobs keep
+        # busy, OpenMP threads wait on each other at every matmul and one thread is
+        # faster: TIERGUARD_KVCHECK_THREADS=1 is the setting there.
         from tierguard.engine.factory import default_threads
 
         threads = int(os.environ.get("TIERGUARD_KVCHECK_THREADS", "0")) or default_threads()

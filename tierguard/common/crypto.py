@@ -169,7 +169,7 @@ class KeyRing:
         ciphertext, for KV blocks of megabytes."""
         nonce = os.urandom(NONCE_BYTES)
         out[:HEADER_BYTES] = MAGIC + self.current.id + nonce
-        encrypt_into = getattr(self._sealer, "encrypt_into", None)  # recent cryptography (50.0 here)
+        encrypt_into = getattr(self._sealer, "encrypt_into", None)  # newer cryptography releases (older: a copy)
         if encrypt_into is None:
             out[HEADER_BYTES:] = self._sealer.encrypt(nonce, plaintext, aad)
         else:
@@ -182,7 +182,7 @@ class KeyRing:
         if len(blob) - OVERHEAD_BYTES != len(out):
             raise DecryptError(f"holds {len(blob) - OVERHEAD_BYTES} bytes, expected {len(out)}")
         try:
-            decrypt_into = getattr(aead, "decrypt_into", None)  # recent cryptography (50.0 here)
+            decrypt_into = getattr(aead, "decrypt_into", None)  # newer cryptography releases (older: a copy)
             if decrypt_into is None:
                 out[:] = aead.decrypt(nonce, blob[HEADER_BYTES:], aad)
             else:

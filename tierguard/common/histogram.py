@@ -11,7 +11,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-# Seconds; a host<->device copy of one block is ~0.1 ms, a cold NVMe read a few ms.
+# Seconds: from a host<->device copy of one block (a fraction of a millisecond) to a slow
+# cold read (seconds).
 TRANSFER_BUCKETS: tuple[float, ...] = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
 )  # fmt: skip

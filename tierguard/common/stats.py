@@ -1,7 +1,7 @@
 """Typed stats: plain dataclasses whose fields say whether they are counters or gauges.
 
-Why: the engine and the tiers used to build `dict[str, float]` in several places and
-their readers looked values up by string. Now each layer returns a dataclass; a field
+Why: a `dict[str, float]` built in several places leaves its readers looking values up
+by string, and a typo is a silent zero. Each layer returns a dataclass instead; a field
 declared with `counter()` or `gauge()` carries its kind and help text, and `samples()`
 walks a tree of them into named values. The metrics layer (tierguard/serve/metrics.py)
 exports counters as Prometheus counters and gauges as gauges; tests and benchmarks read

@@ -1,9 +1,9 @@
 """Tokenizing off the event loop: worker processes (or threads) behind a bounded queue.
 
-Why processes: the `tokenizers` library holds the GIL while it encodes. Measured on the
-tiny model's tokenizer: a 139 KB prompt (the longest that fits 8192 tokens) takes
-0.3–0.5 s to encode, and a thread sleeping 1 ms beside an encode in another thread
-saw one gap as long as the whole encode. A worker *thread* would therefore still freeze
+Why processes: the `tokenizers` library holds the GIL while it encodes, and a long
+prompt takes a sizeable fraction of a second to encode: a thread that sleeps briefly
+beside an encode in another thread sees one gap as long as the whole encode. A worker
+*thread* would therefore still freeze
 the event loop (health checks, every stream's next chunk) and the engine thread's
 Python for that long; a worker *process* has its own GIL. Pure-Python tokenizers (tests)
 run in threads: a process would only add a start-up cost.

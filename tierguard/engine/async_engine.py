@@ -213,10 +213,10 @@ def on_own_thread(fn: Callable[[], Any]) -> Any:
     Once the pools hold more threads than there are CPUs, every OpenMP barrier spins only
     about a thousand times before it sleeps on a futex. Loading a model runs OpenMP work
     (quantization, torch ops). Done on the main thread, which never exits, its pool stays
-    and puts the engine thread's team over that count. Measured with `tierguard serve`
-    (SmolLM2 int8, 2 CPUs, C=32): the two OpenMP threads sat idle for about a quarter of
-    the time and a step with a prefill chunk cost ~35 % more per row than in-process. A
-    thread that exits frees its pool, so the engine thread's team is the only one.
+    and puts the engine thread's team over that count: its threads then sleep and wake
+    at every barrier, and a step with a prefill chunk costs markedly more per row than
+    in-process. A thread that exits frees its pool, so the engine thread's team is the
+    only one.
     """
     box: dict[str, Any] = {}
 

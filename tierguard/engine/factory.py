@@ -28,12 +28,12 @@ DEFAULT_CUDA_KV_FRACTION = 0.85
 DEFAULT_CPU_KV_FRACTION = 0.10
 DEFAULT_CPU_KV_CAP_GIB = 0.5
 # Tokens per step when not given: a step's duration is an inter-token gap for every
-# running stream, and a CPU computes ~5k prefill tokens/s on the tiny model, so chunks
-# stay small there.
+# running stream, and a CPU computes prefill tokens far slower than a GPU, so chunks stay
+# small there.
 DEFAULT_BATCHED_TOKENS = {"cpu": 512, "cuda": 2048}
 # Steps that carry decodes stay under this (step_budget.py): on CPU a whole prefill chunk
 # beside decodes is the gap every stream sees. 100 ms is the sweep's default ITL SLO.
-# CUDA keeps whole chunks (its steps are short; not measured here).
+# CUDA keeps whole chunks (its steps are short).
 DEFAULT_TARGET_ITL_MS = {"cpu": 100.0, "cuda": 0.0}
 # Prefill time a step with decodes may add, as a multiple of the decode time (step_budget.py).
 DEFAULT_PREFILL_SHARE = 1.0

@@ -231,9 +231,9 @@ class ModelRunner:
     def _step_call(self, batch: list[ScheduledSeq], rows: list[int], tables: torch.Tensor) -> native.DecodeCall:
         """A row per token of a step with prefill chunks, for the fused whole-step kernel:
         a chunk's token at position p is a decode-like row with context p + 1 in its
-        sequence's table. Why: the per-op path costs a prefill-carrying step ~25 ms of op
-        overheads (SmolLM2, 2 cores) on top of its matmuls, whatever the chunk's size, so
-        the small chunks that keep a step under an ITL target paid mostly that."""
+        sequence's table. Why: the per-op path adds a fixed cost of op overheads to a
+        prefill-carrying step on top of its matmuls, whatever the chunk's size, so the
+        small chunks that keep a step under an ITL target would pay mostly that."""
         row_of: list[int] = []
         ctx: list[int] = []
         for s, table_row in zip(batch, rows, strict=True):

@@ -18,7 +18,7 @@ contents change. Forward pre-hooks drive the pipeline:
 On CUDA the copies run on a side stream; the compute stream waits on a per-copy event,
 and the side stream waits on an event recorded after the slot's previous user, so the
 host never blocks. On CPU the "device" is host memory too: copies run on one worker
-thread (overlapping compute as far as two cores allow), and what is measured is the copy
+thread (overlapping compute as far as the free cores allow), and what is measured is the copy
 cost only, not a PCIe transfer. Device memory saved is `(k - slots) x layer bytes`,
 which is zero for k <= 2.
 """

@@ -13,7 +13,7 @@ Each logged quantity is fitted on its own, from the rows that log it:
 - CUDA-graph estimate: a least-squares line in decoder layers per GPU over all rows
   that log vLLM's own estimate (only 0.19 does).
 
-A band without activation rows (0.21, which nobody has logged here yet) uses the
+A band without activation rows (0.21: none logged yet) uses the
 nearest older band's activation fit. Leave-one-out calls `fit_band` with one row held
 out; the planner calls `fitted`, which uses every row not marked `exclude`.
 """

@@ -341,8 +341,7 @@ class DiskTier(DiskUpkeep, ColdMedium):
     def read_many(self, items: list[tuple[int, Buffer]], ahead: int = 4) -> list[bool]:
         """Read several blocks in order, asking the kernel for the next `ahead` files while
         reading the current one. Per-file reads otherwise wait for each file's first I/O
-        with nothing queued behind it; prefetching measured 1.6x on single-threaded cold
-        reads on the development VM."""
+        with nothing queued behind it, which makes single-threaded cold reads slow."""
         self._check_guard(len(items))
         dsts = [fmt.as_buffer(out) for _, out in items]
         opened: dict[int, tuple[int | None, str]] = {}
