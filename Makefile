@@ -2,6 +2,12 @@
 #   make demo   -- create .venv when missing, then run `tierguard demo`
 #   make test   -- create .venv when missing, then lint and run the test suite
 PY ?= python3
+# Where torch comes from. Empty (the default): pip's configured sources, so a CPU wheel on
+# pip's find-links or index is what gets installed; from a stock package index for Linux
+# x86-64, torch==2.13.0 is the CUDA build with its multi-GB dependencies. Without a GPU:
+#   make TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu test
+# (read when .venv has no torch yet; `make clean` first to switch builds).
+TORCH_INDEX_URL ?=
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -11,8 +17,9 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
+	# torch first, pinned, from TORCH_INDEX_URL when set (see the top of this file).
+	$(BIN)/python -c "import torch" 2>/dev/null || \
+	  $(BIN)/pip install -q $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) torch==2.13.0
 	# The filter hides setuptools' informational notice about editable installs, so a first
 	# `make demo` shows tierguard's own output rather than a build-backend warning screen.
 	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/pip install -q -e '.[dev]'
