@@ -17,12 +17,12 @@ their copy ends, and the source blocks of in-flight offloads (`_pins`).
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tierguard.common.clock import SYSTEM_CLOCK, Clock
 from tierguard.common.stats import quantile_ms
 from tierguard.kv.connector import (
     ConnectedSeq,
@@ -71,8 +71,10 @@ class TieredConnector(KVConnector):
         media: list[ColdMedium],
         worker: TransferWorker,
         contract: ColdContract,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.pool = pool
+        self.clock = clock  # staging deadlines and load times: the engine's clock
         self.block_size = block_size
         self.manager = manager
         self.host = host
@@ -101,6 +103,7 @@ class TieredConnector(KVConnector):
         options: TierOptions,
         contract: ColdContract,
         faults: FaultInjector | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> TieredConnector:
         """Host RAM, the configured cold media (by registered name), one transfer worker."""
         faults = faults or FaultInjector()
@@ -111,7 +114,7 @@ class TieredConnector(KVConnector):
         register_device_host(worker, device_pool, host)
         for medium in media:
             register_cold_medium(worker, host, medium)
-        return cls(pool, device_pool, block_size, TieredManager(host, media), host, media, worker, contract)
+        return cls(pool, device_pool, block_size, TieredManager(host, media), host, media, worker, contract, clock)
 
     # ---- admission: staging from host RAM and cold media ----
 
@@ -140,7 +143,7 @@ class TieredConnector(KVConnector):
             for b in match.block_ids:
                 self.pool.release(b)
             return False
-        now = time.monotonic()
+        now = self.clock.monotonic()
         # The stage starts now (admission or restore), not at arrival: a request that queued
         # for room must not lose its staging window to the queueing.
         deadline = self.contract.staging_deadline(self.contract.class_of(seq.request_class), now)
@@ -207,7 +210,7 @@ class TieredConnector(KVConnector):
         for b in load.plan.blocks[:num_blocks]:
             if b.source != HOST:
                 c.blocks_loaded_from[b.source] += 1
-        self._load_seconds.append(time.monotonic() - load.started)
+        self._load_seconds.append(self.clock.monotonic() - load.started)
         del self._load_seconds[:-512]
         self._ready.append(seq)
 
@@ -302,7 +305,7 @@ class TieredConnector(KVConnector):
                 m.contains(block_hash) for m in self.media.values()
             ):
                 self._c.device_evictions_uncopied += 1
-        now = time.monotonic()
+        now = self.clock.monotonic()
         for load in list(self._loads.values()):
             if not load.decided and now > load.deadline:
                 self._on_deadline(load)
@@ -339,7 +342,7 @@ class TieredConnector(KVConnector):
     def stats(self, max_age_s: float = 0.0) -> TierStats:
         """The async engine asks after every step and the percentiles sort latency windows,
         so it accepts values up to `max_age_s` old; fresh whenever nothing is in flight."""
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if self._stats_cache is None or now - self._stats_at >= max_age_s or not self.busy():
             self._stats_cache, self._stats_at = self._compute_stats(), now
         return self._stats_cache
@@ -370,12 +373,12 @@ class TieredConnector(KVConnector):
         )
 
     def close(self, timeout_s: float = 10.0) -> None:
-        end = time.monotonic() + timeout_s
+        end = self.clock.monotonic() + timeout_s
         for load in list(self._loads.values()):
             self._drop(load)
-        while time.monotonic() < end and (self._pins or self._jobs):
+        while self.clock.monotonic() < end and (self._pins or self._jobs):
             self.poll()
-            time.sleep(0.005)
+            self.clock.sleep(0.005)
         self.worker.shutdown()
         for m in self.media.values():
             m.close()
