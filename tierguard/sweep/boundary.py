@@ -97,6 +97,77 @@ def search(ladder: list[int], evaluate: Callable[[int], CellVerdict], bisect: bo
     )
 
 
+def search_from(
+    ladder: list[int],
+    evaluate: Callable[[int], CellVerdict],
+    predicted: int | None,
+    predicted_fail: int | None = None,
+    bisect: bool = True,
+    always: tuple[int, ...] = (),
+) -> Boundary:
+    """The boundary measured only around a predicted one (`sweep --predict-first`).
+
+    `predicted` is the highest concurrency predicted to pass (None: none), and
+    `predicted_fail` the lowest predicted to fail. The search measures the prediction,
+    then moves towards the boundary from it: up (to `predicted_fail`, then the ladder)
+    while cells pass, down the ladder while they fail, and bisects the last step as
+    `search` does. It assumes what `search` does not: that a cell below a passing one
+    would pass too, so the ladder below the prediction is not walked. `always` are
+    cells measured first whatever the prediction (the single-request cell); if one of
+    them fails the plain search's answer is returned.
+    """
+    seen: dict[int, CellVerdict] = {}
+
+    def run(c: int) -> CellVerdict:
+        if c not in seen:
+            seen[c] = evaluate(c)
+        return seen[c]
+
+    for c in always:
+        if not run(c).passed:
+            return search(ladder, run, bisect)
+    if not bisect:  # only ladder steps exist then
+        below = [c for c in ladder if predicted is not None and c <= predicted]
+        predicted, predicted_fail = (below[-1] if below else None), None
+    lo, hi = 0, None  # highest pass, lowest fail found
+    start = predicted if predicted is not None else ladder[0]
+    if run(start).passed:
+        lo = start
+        ups = ([predicted_fail] if predicted_fail and predicted_fail > start else []) + [c for c in ladder if c > start]
+        for c in sorted(set(ups)):
+            if run(c).passed:
+                lo = c
+            else:
+                hi = c
+                break
+    else:
+        hi = start
+        for c in sorted((c for c in ladder if c < start), reverse=True):
+            if run(c).passed:
+                lo = c
+                break
+            hi = c
+    if bisect and hi is not None:
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if run(mid).passed:
+                lo = mid
+            else:
+                hi = mid
+    last_pass = lo if lo > 0 else None
+    points = [seen[c] for c in sorted(seen)]
+    return Boundary(
+        context=points[0].context if points else 0,
+        max_concurrency=last_pass,
+        first_failing=hi,
+        ceiling_reached=hi is None,
+        range_low=_confident_low(points, last_pass),
+        range_high=_confident_high(points),
+        limited_by=list(seen[hi].missed) if hi is not None else [],
+        points=points,
+    )
+
+
 def _confident_low(points: list[CellVerdict], last_pass: int | None) -> int | None:
     best = None
     for p in points:
