@@ -129,6 +129,13 @@ MUTANTS = [
         ("tests/engine/test_hf_parity.py::test_parity_variants[qwen2]",),
         slow=True,  # ~12 s of CPU: transformers' import and forward
     ),
+    Mutant(
+        "engine: a step's duration read from the wall clock (the simulator's decisions drift from the engine's)",
+        "tierguard/engine/llm_engine.py",
+        "duration_s=self.clock.monotonic() - started,",
+        "duration_s=__import__('time').perf_counter() - started,",
+        ("tests/predict/test_sim_equivalence.py::test_simulated_engine_decides_as_the_real_one[target-itl]",),
+    ),
 ]
 FAST = [m for m in MUTANTS if not m.slow]
 

@@ -48,3 +48,24 @@ def test_a_right_prediction_measures_only_around_it():
     assert b.max_concurrency == 11 and b.first_failing == 12
     assert sorted(first_seen) == [1, 11, 12]
     assert sorted(plain_seen) == [1, 2, 4, 8, 10, 11, 12, 16]
+
+
+def test_the_sweep_measures_around_the_prediction_and_finds_the_same_boundary(tmp_path):
+    from sweep.fake_bench import ServerModel, make_bench
+    from sweep.helpers import schedule_variant
+
+    from tierguard.sweep.matrix import parse_matrix
+    from tierguard.sweep.runner import Sweep
+
+    m = parse_matrix({
+        "name": "t", "variants": [schedule_variant("a", 3)],
+        "profile": {"context_lengths": [64], "output_len": 16, "num_requests": 8},
+        "slices": {"ladder": [1, 2, 4, 8, 16]}, "slo": {"p99_ttft_ms": 200, "p99_itl_ms": 50},
+        "uncertainty": {"bootstrap": 0},
+    })
+    plain = Sweep(m, tmp_path / "plain", bench=make_bench(ServerModel(capacity=3))).run()
+    first = Sweep(m, tmp_path / "first", bench=make_bench(ServerModel(capacity=3)), predicted={"a": {64: (3, 4)}}).run()
+    assert plain["variants"]["a"]["contexts"]["64"]["max_concurrency"] == 3
+    assert first["variants"]["a"]["contexts"]["64"]["max_concurrency"] == 3
+    assert plain["variants"]["a"]["contexts"]["64"]["evaluated"] == [1, 2, 3, 4]
+    assert first["variants"]["a"]["contexts"]["64"]["evaluated"] == [1, 3, 4]

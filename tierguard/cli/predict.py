@@ -29,7 +29,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--variant", action="append", default=None, metavar="NAME", help="only this variant (repeatable)")
     p.add_argument("--ramp", default=None, metavar="C,C,...",
                    help="calibration's closed-loop concurrencies (default: 2,4,8 up to the ladder's top)")
-    p.add_argument("--fresh", action="store_true", help="discard an earlier prediction in --run-dir")
     p.add_argument("--no-report", action="store_true", help="do not write the report at the end")
     return p
 
@@ -50,18 +49,16 @@ def parse_ramp(text: str | None) -> list[int] | None:
     return ramp
 
 
-def prepare_run_dir(run_dir: Path, fresh: bool) -> None:
-    if fresh and run_dir.exists():
-        if not (run_dir / "state.json").exists():
-            raise TierguardError(f"--fresh: {run_dir} is not a run directory; not deleting it")
-        shutil.rmtree(run_dir)
+def prepare_run_dir(run_dir: Path) -> None:
+    """An earlier prediction in `run_dir` is replaced (its calibrations stay cached); a
+    measured sweep there is refused."""
     if (run_dir / "state.json").exists():
         import json
 
         state = json.loads((run_dir / "state.json").read_text())
         if not state.get("predicted"):
             raise TierguardError(f"{run_dir} holds a measured sweep; predict into another --run-dir")
-        shutil.rmtree(run_dir)  # a prediction is recomputed whole (calibrations stay cached)
+        shutil.rmtree(run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -79,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         if name not in names:
             raise TierguardError(f"--variant {name!r}: the matrix has {', '.join(sorted(names))}")
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(matrix.name)
-    prepare_run_dir(run_dir, args.fresh)
+    prepare_run_dir(run_dir)
     ramp = parse_ramp(args.ramp)
     plan = ProbePlan.for_matrix(matrix, ramp=ramp) if ramp else None
     cache = Path(args.calibration_dir) if args.calibration_dir else default_cache_dir()

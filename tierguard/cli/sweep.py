@@ -129,7 +129,7 @@ def predict_first(matrix, run_dir: Path, matrix_text: str, calibration_dir: str 
 
     pdir = run_dir / "predicted"
     t0 = time.monotonic()
-    prepare_run_dir(pdir, fresh=False)
+    prepare_run_dir(pdir)
     cache = Path(calibration_dir) if calibration_dir else default_cache_dir()
     doc = predict_matrix(matrix, pdir, cache, lambda m: print(m, file=sys.stderr, flush=True), matrix_text)
     out: dict = {}

@@ -214,7 +214,7 @@ def _start(variant: Variant, argv: list[str], workdir: Path, profile, log: Log):
 
     v = variant.model_copy(update={"name": variant.name, "command": argv, "base_url": None, "warmup_requests": 1})
     engine = Engine(v, workdir)
-    log(f"  starting {' '.join(argv[:6])} ...")
+    log(f"  starting {variant.name}: {' '.join(argv[-8:])}")
     engine.start(profile)
     return engine
 
