@@ -62,21 +62,21 @@ def ladder_position(ladder: list[int], c: int | None) -> float:
     return i + (c - ladder[i]) / (ladder[i + 1] - ladder[i])
 
 
-def _sides(a: RunData, b: RunData) -> tuple[RunData, RunData]:
-    return (b, a) if a.predicted else (a, b)
+def _pairs(a: RunData, b: RunData):
+    """(measured variant, its predicted twin, the predicted run) for each variant both have."""
+    measured, predicted = (b, a) if a.predicted else (a, b)
+    pred = {v.name: v for v in predicted.variants}
+    for v in measured.variants:
+        if v.name in pred:
+            yield v, pred[v.name], predicted
 
 
 def boundary_pairs(a: RunData, b: RunData) -> list[BoundaryPair]:
-    measured, predicted = _sides(a, b)
-    ladder = list(measured.matrix.slices.ladder)
-    if measured.matrix.slices.single and ladder[0] != 1:
+    ladder = list(a.matrix.slices.ladder)
+    if a.matrix.slices.single and ladder[0] != 1:
         ladder.insert(0, 1)
-    pred = {v.name: v for v in predicted.variants}
     out = []
-    for v in measured.variants:
-        pv = pred.get(v.name)
-        if pv is None:
-            continue
+    for v, pv, _predicted in _pairs(a, b):
         for ctx, mb in v.boundaries.items():
             pb = pv.boundaries.get(ctx)
             if not pb or not mb:
@@ -94,13 +94,8 @@ def held_out_cells(predicted: RunData, variant: str) -> set[str]:
 
 
 def cell_errors(a: RunData, b: RunData, slice_name: str = "ladder") -> list[CellError]:
-    measured, predicted = _sides(a, b)
-    pred = {v.name: v for v in predicted.variants}
     out = []
-    for v in measured.variants:
-        pv = pred.get(v.name)
-        if pv is None:
-            continue
+    for v, pv, predicted in _pairs(a, b):
         held = held_out_cells(predicted, v.name)
         for key, cell in sorted(v.cells.items(), key=lambda kv: (kv[1].context, kv[1].concurrency)):
             pc = pv.cells.get(key)

@@ -74,16 +74,23 @@ def search(ladder: list[int], evaluate: Callable[[int], CellVerdict], bisect: bo
             first_fail = c
             break
     if bisect and first_fail is not None:
-        lo = last_pass if last_pass is not None else 0  # 0: "nothing passed yet"
-        hi = first_fail
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if run(mid).passed:
-                lo = mid
-            else:
-                hi = mid
+        lo, first_fail = _bisect(run, last_pass if last_pass is not None else 0, first_fail)  # 0: nothing passed
         last_pass = lo if lo > 0 else None
-        first_fail = hi
+    return _boundary(seen, last_pass, first_fail)
+
+
+def _bisect(run: Callable[[int], CellVerdict], lo: int, hi: int) -> tuple[int, int]:
+    """Narrow a passing `lo` and a failing `hi` until they are adjacent."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if run(mid).passed:
+            lo = mid
+        else:
+            hi = mid
+    return lo, hi
+
+
+def _boundary(seen: dict[int, CellVerdict], last_pass: int | None, first_fail: int | None) -> Boundary:
     points = [seen[c] for c in sorted(seen)]
     return Boundary(
         context=points[0].context if points else 0,
@@ -148,24 +155,8 @@ def search_from(
                 break
             hi = c
     if bisect and hi is not None:
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if run(mid).passed:
-                lo = mid
-            else:
-                hi = mid
-    last_pass = lo if lo > 0 else None
-    points = [seen[c] for c in sorted(seen)]
-    return Boundary(
-        context=points[0].context if points else 0,
-        max_concurrency=last_pass,
-        first_failing=hi,
-        ceiling_reached=hi is None,
-        range_low=_confident_low(points, last_pass),
-        range_high=_confident_high(points),
-        limited_by=list(seen[hi].missed) if hi is not None else [],
-        points=points,
-    )
+        lo, hi = _bisect(run, lo, hi)
+    return _boundary(seen, lo if lo > 0 else None, hi)
 
 
 def _confident_low(points: list[CellVerdict], last_pass: int | None) -> int | None:
