@@ -69,16 +69,18 @@ def loaded(cpus: int) -> bool:
 # ---- the suites' matrices ------------------------------------------------------------------
 
 def demo_matrix() -> dict:
+    """The demo's matrix as `tierguard demo` runs it: prompts from the tiny model's tokenizer."""
     doc = demo_document()["matrix"]
     for v in doc["variants"]:
         v.pop("requires", None)
+    doc["profile"]["tokenizer"] = "tiny"
     return doc
 
 
-def tiny_suite() -> dict:
+def tiny_suite(contexts: list[int]) -> dict:
     m = demo_matrix()
     m["name"] = "predict-tiny"
-    m["profile"]["context_lengths"] = [1024, 768]  # 768: a context the probes never ran
+    m["profile"]["context_lengths"] = contexts  # the second: a context the probes never ran
     m["slices"].pop("prefix", None)
     return m
 
@@ -256,9 +258,17 @@ def run_suite(name: str, doc: dict, out: Path, cache: Path, v: Validity, cpus: i
     return res
 
 
-def predict_first(out: Path, cache: Path, v: Validity, cpus: int) -> dict:
+def scale_slo(doc: dict, factor: float) -> dict:
+    doc["slo"] = {k: v * factor for k, v in doc["slo"].items()}
+    return doc
+
+
+def predict_first(out: Path, cache: Path, v: Validity, cpus: int, slo_scale: float,
+                  contexts: list[int] | None) -> dict:
     """The demo matrix swept plainly and with --predict-first (its calibrations cached)."""
-    doc = demo_matrix()
+    doc = scale_slo(demo_matrix(), slo_scale)
+    if contexts:
+        doc["profile"]["context_lengths"] = contexts
     pdir = out / "predict-first"
     pdir.mkdir(parents=True, exist_ok=True)
     mpath = pdir / "demo.yaml"
@@ -303,6 +313,10 @@ def main() -> int:
                     or str(ROOT / ".venv-llamacpp" / "bin" / "python"))
     ap.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     ap.add_argument("--skip-predict-first", action="store_true")
+    ap.add_argument("--slo-scale", type=float, default=1.0,
+                    help="multiply every suite's SLOs (on a loaded machine, so boundaries fall inside the ladder)")
+    ap.add_argument("--tiny-contexts", default="1024,768", help="the tiny suite's contexts (the last: held out)")
+    ap.add_argument("--demo-contexts", default=None, help="predict-first: override the demo's contexts")
     args = ap.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -312,7 +326,11 @@ def main() -> int:
     result: dict = {"machine": {"cpus": cpus, "loadavg_at_start": [round(x, 1) for x in os.getloadavg()],
                                 "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
                     "tolerance": TOLERANCE, "suites": {}, "skipped": {}}
-    builders = {"tiny": tiny_suite, "smollm2": smollm2_suite,
+    tiny_ctx = [int(x) for x in args.tiny_contexts.split(",")]
+    demo_ctx = [int(x) for x in args.demo_contexts.split(",")] if args.demo_contexts else None
+    result["slo_scale"] = args.slo_scale
+    v.require(args.slo_scale == 1.0, f"SLOs scaled by {args.slo_scale:g}: not the matrices' own SLOs")
+    builders = {"tiny": lambda: tiny_suite(tiny_ctx), "smollm2": smollm2_suite,
                 "llamacpp": lambda: llamacpp_suite(args.llama_python), "vllm": lambda: vllm_suite(args.vllm_python)}
     for name in [s.strip() for s in args.suites.split(",") if s.strip()]:
         if name == "llamacpp" and subprocess.run([args.llama_python, "-c", "import llama_cpp.server.app"],
@@ -323,13 +341,13 @@ def main() -> int:
             result["skipped"][name] = f"no vLLM interpreter at {args.vllm_python} (make vllm)"
             continue
         try:
-            doc = copy.deepcopy(builders[name]())
+            doc = scale_slo(copy.deepcopy(builders[name]()), args.slo_scale)
         except Exception as exc:  # noqa: BLE001 - a suite that cannot be built is reported, not fatal
             result["skipped"][name] = f"{type(exc).__name__}: {exc}"
             continue
         result["suites"][name] = run_suite(name, doc, out, cache, v, cpus)
     if not args.skip_predict_first:
-        result["predict_first"] = predict_first(out, cache, v, cpus)
+        result["predict_first"] = predict_first(out, cache, v, cpus, args.slo_scale, demo_ctx)
     v.require(bool(result["suites"]), "no suite ran")
     suites = result["suites"].values()
     result.update(v.as_dict())

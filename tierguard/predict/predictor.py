@@ -236,7 +236,13 @@ def predict_matrix(matrix: Matrix, run_dir: Path, cache_dir: Path, log: Log, mat
             log(f"{v.name}: calibration failed: {exc}")
             continue
         t1 = time.monotonic()
-        res = predict_variant(matrix, vm, run_dir / v.name, extra=(extra or {}).get(v.name))
+        try:
+            res = predict_variant(matrix, vm, run_dir / v.name, extra=(extra or {}).get(v.name))
+        except (RuntimeError, ValueError, TierguardError) as exc:  # e.g. a workload the engine never finishes
+            vs.update(status="failed", error=f"simulation: {exc}")
+            state.save()
+            log(f"{v.name}: simulation failed: {exc}")
+            continue
         for key, (verdict, _held) in res["cells"].items():
             state.data["cells"].setdefault(v.name, {})[key] = verdict.to_json()
         for ctx, by_scale in res["boundaries"].items():
