@@ -42,7 +42,7 @@ import numpy as np
 
 from tierguard.common.errors import TierguardError
 from tierguard.engine.api import StepShape
-from tierguard.predict.costmodel import REGIME_FEATURES, Linear, StepCost, nnls
+from tierguard.predict.costmodel import REGIME_FEATURES, Linear, StepCost, fit_relative
 from tierguard.predict.driver import ClientTiming
 from tierguard.predict.engines import (
     EngineCommand,
@@ -188,7 +188,8 @@ def run_probes(base_url: str, model: str | None, endpoint: str, tokenizer: str |
     from tierguard.bench.runner import run_bench
 
     runs = []
-    jobs = [("single", n, 1, plan.single_repeats) for n in ([16] if tiny_first else []) + plan.single_lengths]
+    jobs = [("warm-up", 16, 1, 1)]  # first requests find cold caches and lazy set-up: not kept
+    jobs += [("single", n, 1, plan.single_repeats) for n in ([16] if tiny_first else []) + plan.single_lengths]
     jobs += [("ramp", plan.ramp_context, c, 2 * c) for c in plan.ramp_concurrency]
     for i, (phase, ctx, c, n) in enumerate(jobs):
         cfg = BenchConfig(base_url=base_url, endpoint=endpoint, model=model, dataset="fixed", input_len=ctx,
@@ -201,6 +202,8 @@ def run_probes(base_url: str, model: str | None, endpoint: str, tokenizer: str |
         if not recs:
             raise TierguardError(f"calibration probe {phase} ctx {ctx} c {c}: every request failed "
                                  f"({next(iter(res.summary.get('errors') or {}), 'no answer')})")
+        if phase == "warm-up":
+            continue
         start = t0 + min(r.scheduled_s for r in recs)
         end = t0 + max(r.end_s or 0.0 for r in recs)
         runs.append(ProbeRun(phase, ctx, c, t0, start, end, recs))
@@ -333,6 +336,23 @@ def calibrate_ours(matrix: Matrix, variant: Variant, workdir: Path, cache: Cache
 
 # ---- any other engine: black box --------------------------------------------------------------
 
+def robust_fit(shapes: list[StepShape], seconds: list[float], max_drop: int = 2) -> Linear:
+    """The decode line through a few per-run medians, leaving out up to `max_drop` runs
+    the line misses by more than half (a run disturbed as a whole: the machine was busy,
+    the client read late), as long as four stay."""
+    pts = list(zip(shapes, seconds, strict=True))
+    line = Linear.fit(REGIME_FEATURES["decode"], [s for s, _ in pts], [t for _, t in pts])
+    for _ in range(max_drop):
+        if len(pts) <= 4:
+            break
+        worst = max(pts, key=lambda p: abs(math.log(max(p[1], 1e-6) / line.mean(p[0]))))
+        if abs(math.log(max(worst[1], 1e-6) / line.mean(worst[0]))) < math.log(1.5):
+            break
+        pts.remove(worst)
+        line = Linear.fit(REGIME_FEATURES["decode"], [s for s, _ in pts], [t for _, t in pts])
+    return line
+
+
 def fit_black_box(runs: list[ProbeRun], policy: Policy) -> tuple[StepCost, ClientTiming, float]:
     """Decode step time from median ITL against streams; prefill from single TTFT."""
     dec_shapes, dec_t, res_runs = [], [], []
@@ -347,7 +367,7 @@ def fit_black_box(runs: list[ProbeRun], policy: Policy) -> tuple[StepCost, Clien
         res_runs.append((dec_shapes[-1], np.asarray(itl) / 1e3))
     if len(dec_t) < 2:
         raise TierguardError("calibration: the probes gave too few inter-token latencies to fit")
-    decode = Linear.fit(REGIME_FEATURES["decode"], dec_shapes, dec_t)
+    decode = robust_fit(dec_shapes, dec_t)
     residuals = []
     for shape, itl in res_runs:
         residuals += np.log(np.maximum(itl, 1e-6) / decode.mean(shape)).tolist()
@@ -370,10 +390,9 @@ def fit_black_box(runs: list[ProbeRun], policy: Policy) -> tuple[StepCost, Clien
             rows.append([1.0, chunks, tokens, keys])
             ys.append(rec.ttft_ms / 1e3 - chunks * a0)
     a = np.asarray(rows, dtype=float)
-    y = np.asarray(ys, dtype=float)
+    y = np.maximum(np.asarray(ys, dtype=float), 0.0)
     scale = np.maximum(a.max(axis=0), 1e-9)
-    w = 1.0 / np.maximum(np.abs(y), 1e-3)
-    coef = nnls((a / scale) * w[:, None], y * w) / scale
+    coef = fit_relative(a / scale, y) / scale
     lag, pf, p1, p2 = (float(c) for c in coef)
     chunk = Linear(REGIME_FEATURES["chunk"], [*decode.coef, pf, p1, p2], decode.residuals, len(ys))
     cost = StepCost({"decode": decode, "chunk": chunk}, 0, True, None)

@@ -17,7 +17,9 @@ engine without the fused path has only `decode` and `wide`. External engines
 function plus a prefill part, fitted from client-side timings.
 
 Fitting is relative least squares with non-negative coefficients (every step counts by
-its relative error, so short decode steps are not drowned by long prefills). What the
+its error relative to the fitted time, so short decode steps are not drowned by long
+prefills, and one step that came out absurdly short cannot pull the line to zero;
+iteratively reweighted, `fit_relative`). What the
 line does not explain is kept as an empirical distribution of log residuals per regime;
 a simulated step draws one (`step_seconds(shape, rng)`), so the spread of real steps
 (noise, a loaded machine) reaches the predicted p99, not only their mean.
@@ -55,6 +57,17 @@ def feature(shape: StepShape, name: str) -> float:
     if name == "has_chunk":
         return float(shape.chunks > 0)
     return float(getattr(shape, name))
+
+
+def fit_relative(a: np.ndarray, y: np.ndarray, rounds: int = 5) -> np.ndarray:
+    """Non-negative x minimizing sum(((a x - y) / (a x))^2), by reweighting: the first
+    round weighs every point alike, each later one by 1 / its fitted value."""
+    w = np.full(y.shape, 1.0 / max(float(np.mean(np.abs(y))), MIN_SECONDS))
+    x = np.zeros(a.shape[1])
+    for _ in range(rounds):
+        x = nnls(a * w[:, None], y * w)
+        w = 1.0 / np.maximum(a @ x, max(MIN_SECONDS, 1e-3 * float(np.median(np.abs(y)))))
+    return x
 
 
 def nnls(a: np.ndarray, b: np.ndarray, iters: int = 200) -> np.ndarray:
@@ -105,8 +118,7 @@ class Linear:
         """Relative NNLS over (shape, seconds) points; residuals are log(seconds / fit)."""
         y = np.asarray(seconds, dtype=float)
         a = np.asarray([[feature(s, f) for f in features] for s in shapes], dtype=float)
-        w = 1.0 / np.maximum(y, MIN_SECONDS)
-        coef = nnls(a * w[:, None], y * w)
+        coef = fit_relative(a, y)
         fitted = np.maximum(a @ coef, MIN_SECONDS)
         res = np.log(np.maximum(y, MIN_SECONDS) / fitted)
         res -= np.log(np.mean(np.exp(res)))  # the draws average to the fitted mean
