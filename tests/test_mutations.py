@@ -255,6 +255,13 @@ MUTANTS = [
         (f"{VLLM_LOGIC}::test_a_full_store_queue_drops_the_store_and_never_waits",),
         slow=True,
     ),
+    Mutant(
+        "engine: a step's duration read from the wall clock (the simulator's decisions drift from the engine's)",
+        "tierguard/engine/llm_engine.py",
+        "duration_s=self.clock.monotonic() - started,",
+        "duration_s=__import__('time').perf_counter() - started,",
+        ("tests/predict/test_sim_equivalence.py::test_simulated_engine_decides_as_the_real_one[target-itl]",),
+    ),
 ]
 FAST = [m for m in MUTANTS if not m.slow]
 
