@@ -47,6 +47,7 @@ from tierguard.kv.store_policy import StorePolicy
 from tierguard.kv.tiered_connector import TieredConnector
 from tierguard.kv.transfer import RouteStats, TransferResult, TransferSpec
 from tierguard.model.config import ModelConfig
+from tierguard.model.gemma3 import kv_groups
 from tierguard.predict.costmodel import StepCost
 from tierguard.predict.media import MediaCost
 
@@ -106,6 +107,8 @@ class SimRunner:
     def __init__(self, spec: EngineSpec, cost: StepCost, clock: SimClock, rng: np.random.Generator | None,
                  scale: float) -> None:
         self.kv_layout = spec.kv_layout
+        self.groups = kv_groups(spec.model_config)  # the pool's layer groups, as ModelRunner's
+        self.compute_path = "simulated"
         self.device_pool = SimDevicePool(spec.kv_layout.block_bytes)
         self.cost, self.clock, self.rng, self.scale = cost, clock, rng, scale
         self.weight_dtype = "auto"
