@@ -104,8 +104,13 @@ class ContractAdmission(AdmissionPolicy):
         self, head: Sequence, waiting: OrderedDict[str, Sequence], reserve: int, running: list[Sequence]
     ) -> bool:
         if not self._overdue(head):
+            urgent = self.contract.goes_first(head.request_class)
             for cand in islice(waiting.values(), 0, 1 + LOOKAHEAD):
                 if cand is head or len(cand) >= len(head):
+                    continue
+                # A head that goes first is passed only by one that goes first too: a batch
+                # request would take the room it waits for (and `head` would pick it again).
+                if urgent and not self.contract.goes_first(cand.request_class):
                     continue
                 if self.has_room(cand, self.bm.lookup(cand), reserve, running):
                     waiting.move_to_end(cand.seq_id, last=False)
