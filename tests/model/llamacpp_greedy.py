@@ -1,6 +1,6 @@
 """Greedy decoding under llama.cpp (llama-cpp-python), run by the interpreter that has it.
 
-tests/model/test_gguf_llamacpp.py runs this file with `LLAMA_PYTHON` (make test-all puts
+tests/model/test_gguf_llamacpp.py runs this file with `LLAMA_PYTHON` (make test puts
 llama-cpp-python in its own venv) and compares with tierguard's engine. Reads JSON on
 stdin: {"gguf": path, "prompts": [[ids]], "steps": n, "ours": [[ids]], "text": str};
 writes JSON on stdout:

@@ -4,7 +4,7 @@ benchmarked by `tierguard bench`.
 
 The fast tests need only the optional `gguf` package; the slow ones also need
 `llama-cpp-python[server]`, which compiles llama.cpp and so is not a project dependency:
-`make test-all` installs it into its own venv and names that interpreter in
+`make test` installs it into its own venv and names that interpreter in
 TIERGUARD_LLAMA_PYTHON (else .venv-llamacpp/bin/python, else this interpreter).
 """
 
@@ -179,7 +179,7 @@ def llama_python() -> str:
         if Path(py).exists() and subprocess.run([py, "-c", "import llama_cpp.server.app"],
                                                 capture_output=True).returncode == 0:
             return py
-    pytest.skip("llama-cpp-python[server] is not installed (`make test-all` builds it into .venv-llamacpp)")
+    pytest.skip("llama-cpp-python[server] is not installed (`make test` builds it into .venv-llamacpp)")
 
 
 def llama_cpp_greedy(py: str, gguf: Path, prompts: list[list[int]], ours: list[list[int]], steps: int,

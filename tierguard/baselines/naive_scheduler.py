@@ -17,6 +17,7 @@ import shutil
 
 from tierguard.baselines.naive_kv import NaiveSpillTier, NaiveSyncDisk
 from tierguard.baselines.naive_pager import NaivePager
+from tierguard.common.clock import SYSTEM_CLOCK, Clock
 from tierguard.common.errors import TierguardError
 from tierguard.common.units import GIB
 from tierguard.engine.block_manager import BlockManager, PrefixMatch
@@ -29,9 +30,14 @@ from tierguard.kv.spec import DevicePool
 
 class NaivePagingScheduler(Scheduler):
     def __init__(
-        self, config: EngineConfig, block_manager: BlockManager, connector: KVConnector, pager: NaivePager
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        connector: KVConnector,
+        pager: NaivePager,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
-        super().__init__(config, block_manager, connector)
+        super().__init__(config, block_manager, connector, clock=clock)
         self.pager = pager
 
     def stats(self) -> object:
@@ -101,15 +107,23 @@ class NaivePagingScheduler(Scheduler):
 
 
 def make_naive_scheduler(
-    config: EngineConfig, bm: BlockManager, connector: KVConnector, device_pool: DevicePool, fingerprint: str
+    config: EngineConfig,
+    bm: BlockManager,
+    connector: KVConnector,
+    device_pool: DevicePool,
+    fingerprint: str,
+    disk: NaiveSyncDisk | None = None,
+    clock: Clock = SYSTEM_CLOCK,
 ) -> NaivePagingScheduler:
-    """The paging scheduler over its own spill tier in `<kv_disk_dir>/naive-spill/`."""
+    """The paging scheduler over its own spill tier in `<kv_disk_dir>/naive-spill/`, or
+    over `disk` when given (the simulator's, whose reads take simulated time)."""
     if not config.kv_disk_dir:
         raise TierguardError("--kv-naive-sync-disk needs a disk tier (--kv-disk-dir and --kv-disk-gib)")
-    root = os.path.join(config.kv_disk_dir, "naive-spill")
-    scratch = os.path.join(root, fingerprint)
-    if os.path.isdir(scratch) and not os.path.islink(scratch):
-        shutil.rmtree(scratch)  # spilled blocks of an earlier run are scratch, never reused
-    spill = NaiveSpillTier(root, fingerprint, int(config.kv_disk_gib * GIB))
-    pager = NaivePager(bm.pool, NaiveSyncDisk(device_pool, spill), config.block_size)
-    return NaivePagingScheduler(config, bm, connector, pager)
+    if disk is None:
+        root = os.path.join(config.kv_disk_dir, "naive-spill")
+        scratch = os.path.join(root, fingerprint)
+        if os.path.isdir(scratch) and not os.path.islink(scratch):
+            shutil.rmtree(scratch)  # spilled blocks of an earlier run are scratch, never reused
+        disk = NaiveSyncDisk(device_pool, NaiveSpillTier(root, fingerprint, int(config.kv_disk_gib * GIB)))
+    pager = NaivePager(bm.pool, disk, config.block_size)
+    return NaivePagingScheduler(config, bm, connector, pager, clock)

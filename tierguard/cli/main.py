@@ -15,7 +15,7 @@ from tierguard import __version__
 from tierguard.common.errors import TierguardError
 
 # Order is the order shown in --help.
-COMMANDS = ["plan", "model", "serve", "bench", "kvcheck", "topo", "gate", "sweep", "report", "demo", "kv"]
+COMMANDS = ["plan", "model", "serve", "bench", "kvcheck", "topo", "gate", "sweep", "predict", "report", "demo", "kv"]
 
 
 class _Parser(argparse.ArgumentParser):

@@ -14,6 +14,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="directory written by `tierguard sweep`")
     p.add_argument("--output-dir", default=None, help="where to write the report (default: RUN_DIR/report)")
+    p.add_argument(
+        "--compare",
+        default=None,
+        metavar="DIR",
+        help="a prediction (`tierguard predict`) of this sweep, or the sweep this prediction predicted: drawn on "
+        "the same plots (default: RUN_DIR/predicted when it exists)",
+    )
     return p
 
 
@@ -46,7 +53,10 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
         raise TierguardError(f"run directory {str(run_dir)!r} is not a directory (give the --run-dir of a sweep)")
-    files = write_report(run_dir, Path(args.output_dir) if args.output_dir else None)
+    compare = Path(args.compare) if args.compare else None
+    if compare is not None and not (compare / "state.json").is_file():
+        raise TierguardError(f"--compare {str(compare)!r} is not a run directory (no state.json)")
+    files = write_report(run_dir, Path(args.output_dir) if args.output_dir else None, compare)
     print_boundary(run_dir, files.recommendations)
     print(f"report:   {files.html}")
     print(f"markdown: {files.markdown}")

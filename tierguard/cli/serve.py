@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 
@@ -104,6 +105,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_tier_flags(p)  # --kv-host-gib, --kv-disk-dir, --kv-disk-gib, --ttft-budget-ms, --kv-naive-sync-disk
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.add_argument(
+        "--step-log",
+        default=None,
+        metavar="FILE",
+        help="write every engine step (shape and duration) as a JSON line; `tierguard predict` calibrates on it",
+    )
+    p.add_argument(
         "--admission-config",
         default=None,
         help="TOML/YAML file of admission options (as for `tierguard gate`); admission is on when "
@@ -139,6 +146,8 @@ def _validate(args: argparse.Namespace) -> None:
     if args.weights_offload_gib < 0:
         raise TierguardError(f"--weights-offload-gib must be >= 0, got {args.weights_offload_gib}")
     tier_kwargs(args)  # tier flags and key files: refused here, before anything loads
+    if args.step_log is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.step_log))):
+        raise TierguardError(f"--step-log {args.step_log!r}: its directory does not exist")
     from tierguard.model.registry import check_model_spec
 
     check_model_spec(args.model)
@@ -218,6 +227,12 @@ async def _serve(engine, args: argparse.Namespace, model_name: str) -> int:
         tokenizer_queue=args.tokenizer_queue or 32,
     )
     state = app[STATE_KEY]
+    step_log = None
+    if args.step_log:
+        from tierguard.serve.step_log import StepLog
+
+        step_log = StepLog(args.step_log, engine.engine)
+        engine.add_step_listener(step_log)
     await state.pool.warm()  # worker processes up before the first long prompt arrives
     # handler_cancellation: a client that hangs up cancels its handler, whose `finally`
     # aborts the engine request, so even non-streaming requests free their blocks.
@@ -266,4 +281,6 @@ async def _serve(engine, args: argparse.Namespace, model_name: str) -> int:
         # Closes listeners, cancels in-flight handlers (each aborts its request), then
         # runs on_cleanup, which shuts the engine down.
         await runner.cleanup()
+        if step_log is not None:
+            step_log.close()
     return 0

@@ -6,6 +6,7 @@ Resumable: rerun the same command after an interruption and only missing cells r
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import shutil
 from pathlib import Path
@@ -25,6 +26,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--fresh", action="store_true", help="discard an earlier sweep in --run-dir instead of resuming"
     )
     p.add_argument("--no-report", action="store_true", help="do not write the report at the end")
+    p.add_argument(
+        "--predict-first",
+        action="store_true",
+        help="predict every boundary first (`tierguard predict`, into RUN_DIR/predicted) and measure only "
+        "around the prediction",
+    )
+    p.add_argument("--calibration-dir", default=None, help="with --predict-first: the calibration cache")
     return p
 
 
@@ -102,17 +110,48 @@ def run(args: argparse.Namespace) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise TierguardError(f"--run-dir {str(run_dir)!r} cannot be created: {exc.strerror or exc}") from None
-    return run_sweep(matrix, run_dir, Path(args.matrix).read_text(), report=not args.no_report)
+    text = Path(args.matrix).read_text()
+    predicted = None
+    if args.predict_first:
+        predicted = predict_first(matrix, run_dir, text, args.calibration_dir)
+    return run_sweep(matrix, run_dir, text, report=not args.no_report, predicted=predicted)
 
 
-def run_sweep(matrix, run_dir: Path, matrix_text: str | None, report: bool = True, show: bool = True) -> int:
+def predict_first(matrix, run_dir: Path, matrix_text: str, calibration_dir: str | None) -> dict:
+    """Predict into RUN_DIR/predicted (kept for the report's overlay); returns, per variant
+    and context, (predicted boundary, predicted first failing concurrency)."""
+    import sys
+    import time
+
+    from tierguard.cli.predict import prepare_run_dir
+    from tierguard.predict.calibrate import default_cache_dir
+    from tierguard.predict.predictor import predict_matrix
+
+    pdir = run_dir / "predicted"
+    t0 = time.monotonic()
+    prepare_run_dir(pdir)
+    cache = Path(calibration_dir) if calibration_dir else default_cache_dir()
+    doc = predict_matrix(matrix, pdir, cache, lambda m: print(m, file=sys.stderr, flush=True), matrix_text)
+    out: dict = {}
+    for name, v in doc["variants"].items():
+        for ctx, b in (v.get("contexts") or {}).items():
+            if b:
+                out.setdefault(name, {})[int(ctx)] = (b.get("max_concurrency"), b.get("first_failing"))
+    (run_dir / "predict_first.json").write_text(json.dumps(
+        {"predict_s": round(time.monotonic() - t0, 1), "predicted": {n: {str(c): list(g) for c, g in d.items()}
+                                                                    for n, d in out.items()}}, indent=1))
+    return out
+
+
+def run_sweep(matrix, run_dir: Path, matrix_text: str | None, report: bool = True, show: bool = True,
+              predicted: dict | None = None) -> int:
     """Run (or resume) a sweep with a progress bar, then print the boundary and write the report."""
     from tierguard.cli.report import print_boundary
     from tierguard.sweep.runner import Sweep
 
     progress = Progress(matrix)
     with progress.bar:
-        doc = Sweep(matrix, run_dir, on_event=progress, matrix_text=matrix_text).run()
+        doc = Sweep(matrix, run_dir, on_event=progress, matrix_text=matrix_text, predicted=predicted).run()
     recs: list[str] = []
     if report:
         from tierguard.report import write_report

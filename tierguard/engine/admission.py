@@ -24,10 +24,10 @@ The scheduler calls one policy method per hook and keeps no policy of its own:
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from itertools import islice
 
+from tierguard.common.clock import SYSTEM_CLOCK, Clock
 from tierguard.engine.block_manager import BlockManager, PrefixMatch
 from tierguard.engine.sequence import Sequence
 from tierguard.kv.contract import LOOKAHEAD, ColdContract
@@ -75,9 +75,10 @@ class FifoAdmission(AdmissionPolicy):
 class ContractAdmission(AdmissionPolicy):
     """The cold contract's class order with the block manager's facts (module docstring)."""
 
-    def __init__(self, block_manager: BlockManager, contract: ColdContract) -> None:
+    def __init__(self, block_manager: BlockManager, contract: ColdContract, clock: Clock = SYSTEM_CLOCK) -> None:
         self.bm = block_manager
         self.contract = contract
+        self.clock = clock  # how long a request has queued (overdue); the engine's clock
         # An interactive request waits for room that a running batch sequence holds: the
         # next step swaps that sequence out (not this one: it may be in this step's batch).
         self._room_wanted = False
@@ -103,8 +104,13 @@ class ContractAdmission(AdmissionPolicy):
         self, head: Sequence, waiting: OrderedDict[str, Sequence], reserve: int, running: list[Sequence]
     ) -> bool:
         if not self._overdue(head):
+            urgent = self.contract.goes_first(head.request_class)
             for cand in islice(waiting.values(), 0, 1 + LOOKAHEAD):
                 if cand is head or len(cand) >= len(head):
+                    continue
+                # A head that goes first is passed only by one that goes first too: a batch
+                # request would take the room it waits for (and `head` would pick it again).
+                if urgent and not self.contract.goes_first(cand.request_class):
                     continue
                 if self.has_room(cand, self.bm.lookup(cand), reserve, running):
                     waiting.move_to_end(cand.seq_id, last=False)
@@ -122,4 +128,4 @@ class ContractAdmission(AdmissionPolicy):
         return None
 
     def _overdue(self, seq: Sequence) -> bool:
-        return self.contract.overdue(seq.request_class, seq.queued_at, time.monotonic())
+        return self.contract.overdue(seq.request_class, seq.queued_at, self.clock.monotonic())

@@ -50,16 +50,49 @@ class RequestOutput:
 
 
 @dataclass
+class StepShape:
+    """What a step computed, by row shape: what its cost depends on (the cost models of
+    tierguard/predict are fitted on it). A row of one token is a decode (or a wave's held
+    last prompt token); a chunk is a prefill piece of more tokens. Keys are the context
+    positions a row attends to, summed (a chunk's tokens attend causally)."""
+
+    token_rows: int = 0
+    token_row_keys: int = 0
+    chunks: int = 0
+    chunk_tokens: int = 0
+    chunk_keys: int = 0
+    sampled: int = 0  # rows whose logits are computed (each sequence reaching its end)
+
+    @classmethod
+    def of(cls, scheduled: list) -> StepShape:
+        """The shape of a schedule (tierguard.engine.sequence.ScheduledSeq items), read
+        before the step moves the sequences' computed counts."""
+        out = cls()
+        for item in scheduled:
+            start, n = item.seq.num_computed_tokens, item.num_tokens
+            if n == 1:
+                out.token_rows += 1
+                out.token_row_keys += start + 1
+            else:
+                out.chunks += 1
+                out.chunk_tokens += n
+                out.chunk_keys += n * start + n * (n + 1) // 2
+            out.sampled += bool(item.samples)
+        return out
+
+
+@dataclass
 class StepStats:
     """What one engine step did; published to listeners after every step."""
 
     step: int
-    started_at: float  # time.monotonic()
+    started_at: float  # the engine clock's monotonic time (time.monotonic() when served)
     duration_s: float
     num_prefill_seqs: int
     num_prefill_tokens: int
     num_decode_seqs: int
     num_preempted: int = 0
+    shape: StepShape = field(default_factory=StepShape)
 
 
 @dataclass

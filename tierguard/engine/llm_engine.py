@@ -7,19 +7,27 @@ sequences). It is not thread-safe; AsyncLLMEngine drives it from a single thread
 Tiers reach the engine only through the KV connector (tierguard/kv/connector.py), built
 here from the config and handed to the scheduler; `--kv-naive-sync-disk` selects the
 benchmark's paging scheduler (naive_scheduler.py) instead of the production one.
+
+Time comes from one `Clock` (tierguard/common/clock.py), read by the engine, the
+scheduler, admission and the connector. What moves bytes or computes is built by three
+methods apart from the policies: `_make_runner` (the model), `_make_tiers` (host RAM,
+cold media and the transfer worker behind the connector) and `_naive_disk` (the naive
+baseline's synchronous disk). The simulator (tierguard/predict) overrides exactly those
+and the clock, so every decision it predicts is made by this code.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
+from tierguard.common.clock import SYSTEM_CLOCK, Clock
 from tierguard.common.errors import TierguardError
 from tierguard.common.units import GIB
 from tierguard.engine.admission import ContractAdmission, FifoAdmission
-from tierguard.engine.api import EngineStats, RequestOutput, SamplingParams, StepStats, Tokenizer
+from tierguard.engine.api import EngineStats, RequestOutput, SamplingParams, StepShape, StepStats, Tokenizer
 from tierguard.engine.block_manager import BlockManager
 from tierguard.engine.block_pool import BlockPool
 from tierguard.engine.config import EngineConfig
@@ -36,6 +44,9 @@ from tierguard.kv.spec import fingerprint, fingerprint_salt
 from tierguard.kv.tiered_connector import TieredConnector
 from tierguard.model.config import ModelConfig
 from tierguard.model.llama import LlamaModel
+
+if TYPE_CHECKING:
+    from tierguard.baselines.naive_kv import NaiveSyncDisk
 
 # While a load or a transfer is the only work, a step sleeps this long instead of
 # spinning (the engine never waits *for* a transfer; it just idles).
@@ -54,23 +65,15 @@ class LLMEngine:
         model_name: str = "model",
         weights_id: str = "",
         faults: FaultInjector | None = None,  # tests: injected tier I/O failures and delays
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.config = config
         self.model_name = model_name
+        self.clock = clock
         config.validate_tiers()
-        self.runner = ModelRunner(
-            model,
-            model_config,
-            config.num_blocks,
-            config.block_size,
-            dtype,
-            device,
-            kv_dtype=config.kv_dtype,
-            decode_graph_max_batch=config.decode_graph_max_batch,
-            max_blocks_per_seq=config.max_blocks_per_seq,
-        )
+        self.runner = self._make_runner(model, dtype, device)
         # One fingerprint (model, config, weights id, KV layout incl. dtype, quantization and
         # block size) salts the prefix hashes and names the tiers' blocks.
         self.fingerprint = fingerprint(weights_id or model_name, self.runner.kv_layout, vars(model_config))
@@ -140,7 +143,7 @@ class LLMEngine:
         if request_id in self.seqs:
             raise TierguardError(f"request id {request_id!r} is already in flight")
         self.validate(prompt_token_ids, params)
-        seq = Sequence(request_id, prompt_token_ids, params, arrival or time.monotonic(), request_class)
+        seq = Sequence(request_id, prompt_token_ids, params, arrival or self.clock.monotonic(), request_class)
         seq.generator = make_generator(params.seed)
         self.seqs[request_id] = seq
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop)
@@ -153,6 +156,21 @@ class LLMEngine:
             return None
         seq.status = SequenceStatus.FINISHED_ABORTED
         return self._finish(seq, [])
+
+    def _make_runner(self, model: LlamaModel, dtype: torch.dtype, device: torch.device) -> ModelRunner:
+        """The model's compute over the device KV pool (mechanism)."""
+        config = self.config
+        return ModelRunner(
+            model,
+            self.model_config,
+            config.num_blocks,
+            config.block_size,
+            dtype,
+            device,
+            kv_dtype=config.kv_dtype,
+            decode_graph_max_batch=config.decode_graph_max_batch,
+            max_blocks_per_seq=config.max_blocks_per_seq,
+        )
 
     def _make_connector(self, faults: FaultInjector | None) -> KVConnector:
         config = self.config
@@ -171,13 +189,22 @@ class LLMEngine:
             old = [config.kv_encrypt_old_key_file] if config.kv_encrypt_old_key_file else []
             options.codec = AesGcmCodec.from_files(config.kv_encrypt_key_file, old)
         self.contract = ColdContract(options.ttft_budget_ms)
-        pool, device_pool = self.pool, self.runner.device_pool
+        return self._make_tiers(options, self.contract, faults)
+
+    def _make_tiers(self, options: TierOptions, contract: ColdContract, faults: FaultInjector | None) -> KVConnector:
+        """The tiered connector over host RAM, the configured cold media and a transfer
+        worker: the connector's decisions with the mechanism that moves the bytes."""
         return TieredConnector.create(
-            pool, device_pool, config.block_size, self.fingerprint, options, self.contract, faults, self.groups
+            self.pool, self.runner.device_pool, self.config.block_size, self.fingerprint, options, contract,
+            faults, self.groups, self.clock,
         )
 
+    def _naive_disk(self) -> NaiveSyncDisk | None:
+        """The naive baseline's synchronous disk (mechanism); None: its real spill files."""
+        return None
+
     def _make_scheduler(self) -> Scheduler:
-        config, bm = self.config, self.block_manager
+        config, bm, clock = self.config, self.block_manager, self.clock
         if config.naive_sync_disk:  # benchmark only: the failure mode the contract prevents
             from tierguard.baselines.naive_scheduler import make_naive_scheduler
 
@@ -186,11 +213,12 @@ class LLMEngine:
                     "--kv-naive-sync-disk (a benchmark baseline) pages whole-layer blocks; "
                     "it does not run models with sliding-window layer groups"
                 )
-
-            return make_naive_scheduler(config, bm, self.connector, self.runner.device_pool, self.fingerprint)
+            return make_naive_scheduler(
+                config, bm, self.connector, self.runner.device_pool, self.fingerprint, self._naive_disk(), clock
+            )
         if self.contract is not None:
-            return Scheduler(config, bm, self.connector, ContractAdmission(bm, self.contract))
-        return Scheduler(config, bm, self.connector, FifoAdmission())
+            return Scheduler(config, bm, self.connector, ContractAdmission(bm, self.contract, clock), clock=clock)
+        return Scheduler(config, bm, self.connector, FifoAdmission(), clock=clock)
 
     @property
     def compute_path(self) -> str:
@@ -220,7 +248,7 @@ class LLMEngine:
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        started = time.monotonic()
+        started = self.clock.monotonic()
         # Never waits: finished transfers only; loads that arrived rejoin the queue.
         for seq in self.connector.poll().finished_loads:
             self.scheduler.requeue_front(seq)
@@ -230,8 +258,9 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         # Classified before postprocessing moves num_computed_tokens.
         prefills = [s for s in sched.scheduled if s.seq.is_prefill]
+        shape = StepShape.of(sched.scheduled)
         if not sched.scheduled and self.connector.busy():
-            time.sleep(IDLE_SLEEP_S)  # only loads/transfers outstanding: idle, do not spin
+            self.clock.sleep(IDLE_SLEEP_S)  # only loads/transfers outstanding: idle, do not spin
         if sched.scheduled:
             with decode_guard():
                 logits = self.runner.run(sched.scheduled)
@@ -254,11 +283,12 @@ class LLMEngine:
         stats = StepStats(
             step=self.step_count,
             started_at=started,
-            duration_s=time.monotonic() - started,
+            duration_s=self.clock.monotonic() - started,
             num_prefill_seqs=len(prefills),
             num_prefill_tokens=sum(s.num_tokens for s in prefills),
             num_decode_seqs=len(sched.scheduled) - len(prefills),
             num_preempted=len(sched.preempted),
+            shape=shape,
         )
         if sched.scheduled:  # the step budget learns decode and prefill costs from real steps,
             # by row shape: a one-token row (a decode, a wave's last prompt token) costs a decode.

@@ -23,9 +23,9 @@ The scheduler decides; collaborators hold the policies, each called once per hoo
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 
+from tierguard.common.clock import SYSTEM_CLOCK, Clock
 from tierguard.engine.admission import AdmissionPolicy, FifoAdmission
 from tierguard.engine.block_manager import BlockManager, PrefixMatch
 from tierguard.engine.config import EngineConfig
@@ -38,8 +38,10 @@ from tierguard.kv.connector import KVConnector, NoConnector
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager,
                  connector: KVConnector | None = None, admission: AdmissionPolicy | None = None,
-                 step_budget: StepBudget | None = None, waves: SloWaves | None = None) -> None:
+                 step_budget: StepBudget | None = None, waves: SloWaves | None = None,
+                 clock: Clock = SYSTEM_CLOCK) -> None:
         self.config = config
+        self.clock = clock  # queue times (admission aging); simulated time in tierguard/predict
         self.bm = block_manager
         self.connector = connector or NoConnector()
         self.admission = admission or FifoAdmission()
@@ -54,7 +56,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        seq.queued_at = time.monotonic()
+        seq.queued_at = self.clock.monotonic()
         self.waiting[seq.seq_id] = seq
 
     def has_work(self) -> bool:

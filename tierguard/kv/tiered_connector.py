@@ -20,12 +20,12 @@ A pool split into layer groups moves each group's blocks under its own key
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tierguard.common.clock import SYSTEM_CLOCK, Clock
 from tierguard.common.stats import quantile_ms
 from tierguard.kv.connector import (
     ConnectedSeq,
@@ -79,8 +79,10 @@ class TieredConnector(KVConnector):
         worker: TransferWorker,
         contract: ColdContract,
         groups: KVGroups | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.pool = pool
+        self.clock = clock  # staging deadlines and load times: the engine's clock
         self.block_size = block_size
         self.groups = groups
         self.manager = manager
@@ -112,19 +114,20 @@ class TieredConnector(KVConnector):
         contract: ColdContract,
         faults: FaultInjector | None = None,
         groups: KVGroups | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> TieredConnector:
         """Host RAM, the configured cold media (by registered name), one transfer worker."""
         faults = faults or FaultInjector()
         host = HostTier(options.host_bytes, device_pool.block_bytes)
         ctx = MediumContext(fingerprint, device_pool.block_bytes, faults, options.codec)
         media = [create_medium(name, ctx, opts) for name, opts in options.media.items()]
-        stores = StorePolicy(max_pending=options.store_max_pending, share=options.store_share)
+        stores = StorePolicy(max_pending=options.store_max_pending, share=options.store_share, clock=clock.monotonic)
         worker = TransferWorker(device_pool.block_bytes, options.num_threads, faults, stores)
         register_device_host(worker, device_pool, host)
         for medium in media:
             register_cold_medium(worker, host, medium)
         manager = TieredManager(host, media)
-        return cls(pool, device_pool, block_size, manager, host, media, worker, contract, groups)
+        return cls(pool, device_pool, block_size, manager, host, media, worker, contract, groups, clock)
 
     # ---- admission: staging from host RAM and cold media ----
 
@@ -165,7 +168,7 @@ class TieredConnector(KVConnector):
             for b in held:
                 self.pool.release(b)
             return False
-        now = time.monotonic()
+        now = self.clock.monotonic()
         # The stage starts now (admission or restore), not at arrival: a request that queued
         # for room must not lose its staging window to the queueing.
         deadline = self.contract.staging_deadline(self.contract.class_of(seq.request_class), now)
@@ -232,7 +235,7 @@ class TieredConnector(KVConnector):
         for b in load.plan.blocks[:num_blocks]:
             if b.source != HOST:
                 c.blocks_loaded_from[b.source] += 1
-        self._load_seconds.append(time.monotonic() - load.started)
+        self._load_seconds.append(self.clock.monotonic() - load.started)
         del self._load_seconds[:-512]
         self._ready.append(seq)
 
@@ -359,7 +362,7 @@ class TieredConnector(KVConnector):
                 m.contains(block_hash) for m in self.media.values()
             ):
                 self._c.device_evictions_uncopied += 1
-        now = time.monotonic()
+        now = self.clock.monotonic()
         for load in list(self._loads.values()):
             if not load.decided and now > load.deadline:
                 self._on_deadline(load)
@@ -396,7 +399,7 @@ class TieredConnector(KVConnector):
     def stats(self, max_age_s: float = 0.0) -> TierStats:
         """The async engine asks after every step and the percentiles sort latency windows,
         so it accepts values up to `max_age_s` old; fresh whenever nothing is in flight."""
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if self._stats_cache is None or now - self._stats_at >= max_age_s or not self.busy():
             self._stats_cache, self._stats_at = self._compute_stats(), now
         return self._stats_cache
@@ -428,12 +431,12 @@ class TieredConnector(KVConnector):
         )
 
     def close(self, timeout_s: float = 10.0) -> None:
-        end = time.monotonic() + timeout_s
+        end = self.clock.monotonic() + timeout_s
         for load in list(self._loads.values()):
             self._drop(load)
-        while time.monotonic() < end and (self._pins or self._jobs):
+        while self.clock.monotonic() < end and (self._pins or self._jobs):
             self.poll()
-            time.sleep(0.005)
+            self.clock.sleep(0.005)
         self.worker.shutdown()
         for m in self.media.values():
             m.close()

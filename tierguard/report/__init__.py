@@ -22,10 +22,12 @@ class ReportFiles:
     recommendations: list[str]
 
 
-def write_report(run_dir: Path, out_dir: Path | None = None) -> ReportFiles:
-    """Write the report of `run_dir` into `out_dir` (default RUN_DIR/report)."""
+def write_report(run_dir: Path, out_dir: Path | None = None, compare: Path | None = None) -> ReportFiles:
+    """Write the report of `run_dir` into `out_dir` (default RUN_DIR/report). A prediction
+    (`compare`, or RUN_DIR/predicted when it exists) or the measured sweep a prediction
+    is compared with is drawn on the same plots, with a table of the errors."""
     from tierguard.report.html import render_html
-    from tierguard.report.load import load_run, write_boundary_json
+    from tierguard.report.load import load_run, with_companion, write_boundary_json
     from tierguard.report.markdown import render_markdown
     from tierguard.report.plots import all_plots
     from tierguard.report.recommend import recommendations
@@ -39,7 +41,7 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> ReportFiles:
         single_table,
     )
 
-    data = load_run(Path(run_dir))
+    data = with_companion(load_run(Path(run_dir)), compare)
     out = Path(out_dir) if out_dir else Path(run_dir) / "report"
     (out / "plots").mkdir(parents=True, exist_ok=True)
     tables = {
@@ -52,6 +54,11 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> ReportFiles:
         "engines": engines_table(data),
         "environment": environment_table(data),
     }
+    from tierguard.report.predicted import comparison_table
+
+    versus = comparison_table(data)
+    if versus is not None:
+        tables["predicted"] = versus
     plots = all_plots(data)
     from tierguard.kvcheck.check import report_section
 

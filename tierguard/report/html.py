@@ -71,11 +71,13 @@ def render_html(
     data: RunData, tables: dict[str, Table], plots: dict[str, tuple[str, bytes]], recs: list[str]
 ) -> str:
     parts = [
-        f"<h1>tierguard sweep: {_esc(data.matrix.name)}</h1>",
+        f"<h1>tierguard {'prediction' if data.predicted else 'sweep'}: {_esc(data.matrix.name)}</h1>",
         f'<p class="note">run directory {_esc(data.run_dir)}</p>',
     ]
     # The boundary first, then what to do about it: the decision rests on the table.
     parts.append(table_html(tables["boundary"]))
+    if "predicted" in tables:
+        parts.append(table_html(tables["predicted"]))
     if recs:
         parts.append(
             "<h2>Recommendation</h2><ul class=rec>" + "".join(f"<li>{_esc(r)}</li>" for r in recs) + "</ul>"

@@ -63,6 +63,10 @@ class RunData:
     variants: list[VariantData]
     environment: dict
     boundary: dict
+    predicted: bool = False  # simulated by `tierguard predict`, not measured
+    # The other side of a prediction: the measured sweep of a predicted run, or the
+    # prediction of a measured one (RUN_DIR/predicted); drawn on the same plots.
+    companion: RunData | None = None
     # (variant, cell key) -> samples: tables, plots and recommendations ask for the same
     # cells, and each read parses every repeat's requests.jsonl.
     _samples: dict[tuple[str, str], list[RequestSample]] = field(default_factory=dict, repr=False)
@@ -147,7 +151,25 @@ def load_run(run_dir: Path) -> RunData:
         )
     _check_profiles(run_dir, variants)
     env = read_json(run_dir / "environment.json") or {}
-    return RunData(run_dir, matrix, variants, env, boundary_document(matrix, state))
+    return RunData(run_dir, matrix, variants, env, boundary_document(matrix, state), bool(state.data.get("predicted")))
+
+
+def with_companion(data: RunData, other: Path | None = None) -> RunData:
+    """Attach `other` (or RUN_DIR/predicted, when it holds a prediction) for side-by-side
+    plots and the predicted-vs-measured table; only one side may be predicted."""
+    path = other if other is not None else data.run_dir / "predicted"
+    if other is None and not (path / "state.json").is_file():
+        return data
+    comp = load_run(path)
+    if comp.predicted == data.predicted:
+        raise TierguardError(
+            f"{path} is {'a prediction' if comp.predicted else 'a measured sweep'} like {data.run_dir}; "
+            "compare a prediction with a measured sweep"
+        )
+    if comp.matrix.slo != data.matrix.slo or comp.matrix.profile != data.matrix.profile:
+        raise TierguardError(f"{path} and {data.run_dir} differ in their profile or SLOs; they do not compare")
+    data.companion = comp
+    return data
 
 
 def _check_profiles(run_dir: Path, variants: list[VariantData]) -> None:

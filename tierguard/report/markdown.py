@@ -25,8 +25,10 @@ def table_md(t: Table) -> str:
 def render_markdown(
     data: RunData, tables: dict[str, Table], plot_files: dict[str, tuple[str, str]], recs: list[str]
 ) -> str:
-    out = [f"# tierguard sweep: {data.matrix.name}", ""]
+    out = [f"# tierguard {'prediction' if data.predicted else 'sweep'}: {data.matrix.name}", ""]
     out.append(table_md(tables["boundary"]))
+    if "predicted" in tables:
+        out.append(table_md(tables["predicted"]))
     if recs:  # after the table it rests on
         out += ["## Recommendation", ""] + [f"- {r}" for r in recs] + [""]
     out.append(table_md(tables["single"]))

@@ -40,8 +40,13 @@ def _p99(cell, metric: str) -> float:
     return cell.p99[metric].value if metric in cell.p99 else math.nan
 
 
+def _side(data: RunData) -> str:
+    return "predicted" if data.predicted else "measured"
+
+
 def p99_vs_concurrency(data: RunData, metric: str) -> bytes | None:
-    """One panel per context length, one line per variant, the SLO as a dashed line."""
+    """One panel per context length, one line per variant, the SLO as a dashed line; with
+    a companion run (a prediction beside a sweep), its lines dotted in the same colours."""
     contexts = data.matrix.profile.context_lengths
     if not any(v.ladder(c) for v in data.variants for c in contexts):
         return None
@@ -50,13 +55,24 @@ def p99_vs_concurrency(data: RunData, metric: str) -> bytes | None:
     limit = getattr(data.matrix.slo, LIMIT_OF[metric])
     for ax, ctx in zip(axes[0], contexts, strict=True):
         finite_max = limit
+        comp = {v.name: v for v in data.companion.variants} if data.companion else {}
+        suffix = f" ({_side(data)})" if data.companion else ""
         for v in data.variants:
             pts = v.ladder(ctx)
             xs = [p.concurrency for p in pts]
             ys = [_p99(p, metric) for p in pts]
             finite_max = max([finite_max] + [y for y in ys if math.isfinite(y)])
+            color = None
             if xs:
-                ax.plot(xs, [y if math.isfinite(y) else np.nan for y in ys], marker="o", label=v.name)
+                (line,) = ax.plot(xs, [y if math.isfinite(y) else np.nan for y in ys], marker="o", label=v.name + suffix)
+                color = line.get_color()
+            other = comp.get(v.name)
+            if other is not None and other.ladder(ctx):
+                opts = other.ladder(ctx)
+                oys = [_p99(p, metric) for p in opts]
+                finite_max = max([finite_max] + [y for y in oys if math.isfinite(y)])
+                ax.plot([p.concurrency for p in opts], [y if math.isfinite(y) else np.nan for y in oys], ":",
+                        marker="s", markersize=3, color=color, label=f"{v.name} ({_side(data.companion)})")
         top = finite_max * 1.15
         for v in data.variants:
             bad = [p.concurrency for p in v.ladder(ctx) if math.isinf(_p99(p, metric))]

@@ -72,7 +72,12 @@ def boundary_table(data: RunData) -> Table:
         "'sure up to' / 'uncertain' mark cells whose bootstrap interval straddles the limit; "
         "'>= N' means the ladder top still passed."
     )
-    return Table("Boundary", ["variant", "status"] + [f"ctx {c}" for c in ctxs], rows, note)
+    title = "Boundary"
+    if data.predicted:
+        title = "Boundary (predicted: simulated, not measured)"
+        note += (" Predicted: every cell was simulated (`tierguard predict`); 'sure up to' and 'sure miss from' "
+                 "give the band, the boundary with every cost scaled by 1 + band and 1 - band.")
+    return Table(title, ["variant", "status"] + [f"ctx {c}" for c in ctxs], rows, note)
 
 
 def single_table(data: RunData) -> Table:

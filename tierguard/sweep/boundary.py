@@ -74,16 +74,23 @@ def search(ladder: list[int], evaluate: Callable[[int], CellVerdict], bisect: bo
             first_fail = c
             break
     if bisect and first_fail is not None:
-        lo = last_pass if last_pass is not None else 0  # 0: "nothing passed yet"
-        hi = first_fail
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if run(mid).passed:
-                lo = mid
-            else:
-                hi = mid
+        lo, first_fail = _bisect(run, last_pass if last_pass is not None else 0, first_fail)  # 0: nothing passed
         last_pass = lo if lo > 0 else None
-        first_fail = hi
+    return _boundary(seen, last_pass, first_fail)
+
+
+def _bisect(run: Callable[[int], CellVerdict], lo: int, hi: int) -> tuple[int, int]:
+    """Narrow a passing `lo` and a failing `hi` until they are adjacent."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if run(mid).passed:
+            lo = mid
+        else:
+            hi = mid
+    return lo, hi
+
+
+def _boundary(seen: dict[int, CellVerdict], last_pass: int | None, first_fail: int | None) -> Boundary:
     points = [seen[c] for c in sorted(seen)]
     return Boundary(
         context=points[0].context if points else 0,
@@ -95,6 +102,61 @@ def search(ladder: list[int], evaluate: Callable[[int], CellVerdict], bisect: bo
         limited_by=list(seen[first_fail].missed) if first_fail is not None else [],
         points=points,
     )
+
+
+def search_from(
+    ladder: list[int],
+    evaluate: Callable[[int], CellVerdict],
+    predicted: int | None,
+    predicted_fail: int | None = None,
+    bisect: bool = True,
+    always: tuple[int, ...] = (),
+) -> Boundary:
+    """The boundary measured only around a predicted one (`sweep --predict-first`).
+
+    `predicted` is the highest concurrency predicted to pass (None: none), and
+    `predicted_fail` the lowest predicted to fail. The search measures the prediction,
+    then moves towards the boundary from it: up (to `predicted_fail`, then the ladder)
+    while cells pass, down the ladder while they fail, and bisects the last step as
+    `search` does. It assumes what `search` does not: that a cell below a passing one
+    would pass too, so the ladder below the prediction is not walked. `always` are
+    cells measured first whatever the prediction (the single-request cell); if one of
+    them fails the plain search's answer is returned.
+    """
+    seen: dict[int, CellVerdict] = {}
+
+    def run(c: int) -> CellVerdict:
+        if c not in seen:
+            seen[c] = evaluate(c)
+        return seen[c]
+
+    for c in always:
+        if not run(c).passed:
+            return search(ladder, run, bisect)
+    if not bisect:  # only ladder steps exist then
+        below = [c for c in ladder if predicted is not None and c <= predicted]
+        predicted, predicted_fail = (below[-1] if below else None), None
+    lo, hi = 0, None  # highest pass, lowest fail found
+    start = predicted if predicted is not None else ladder[0]
+    if run(start).passed:
+        lo = start
+        ups = ([predicted_fail] if predicted_fail and predicted_fail > start else []) + [c for c in ladder if c > start]
+        for c in sorted(set(ups)):
+            if run(c).passed:
+                lo = c
+            else:
+                hi = c
+                break
+    else:
+        hi = start
+        for c in sorted((c for c in ladder if c < start), reverse=True):
+            if run(c).passed:
+                lo = c
+                break
+            hi = c
+    if bisect and hi is not None:
+        lo, hi = _bisect(run, lo, hi)
+    return _boundary(seen, lo if lo > 0 else None, hi)
 
 
 def _confident_low(points: list[CellVerdict], last_pass: int | None) -> int | None:

@@ -30,7 +30,7 @@ import yaml
 
 from tierguard.common.errors import TierguardError
 from tierguard.sweep.benchcall import BenchOutcome, bench_argv, cell_requests, run_bench
-from tierguard.sweep.boundary import Boundary, search
+from tierguard.sweep.boundary import Boundary, search, search_from
 from tierguard.sweep.cells import CellSpec, CellVerdict, judge_dirs
 from tierguard.sweep.environment import capture_environment
 from tierguard.sweep.fingerprints import check_same_profile
@@ -102,6 +102,9 @@ def boundary_document(matrix: Matrix, state: State) -> dict:
             "error": vs.get("error"),
             "contexts": {str(c): per_ctx.get(str(c)) for c in matrix.profile.context_lengths},
         }
+    if state.data.get("predicted"):  # `tierguard predict`: simulated cells, how each variant was calibrated
+        out["predicted"] = True
+        out["calibration"] = state.data["predicted"].get("variants", {})
     return out
 
 
@@ -113,9 +116,13 @@ class Sweep:
         on_event: Event | None = None,
         matrix_text: str | None = None,
         bench: BenchFn = run_bench,
+        predicted: dict[str, dict[int, tuple[int | None, int | None]]] | None = None,
     ) -> None:
         self.matrix = matrix
         self.bench = bench
+        # `sweep --predict-first`: variant -> context -> (predicted boundary, first failing);
+        # the search starts there and measures only around it (boundary.py's search_from).
+        self.predicted = predicted or {}
         self.run_dir = run_dir
         self._on_event = on_event
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -167,11 +174,13 @@ class Sweep:
         self.state.save()
         try:
             for ctx in self.matrix.profile.context_lengths:
-                b = search(
-                    self._ladder(),
-                    lambda c, ctx=ctx: self._cell(variant, CellSpec("ladder", ctx, c), ensure_engine),
-                    bisect=self.matrix.slices.bisect,
-                )
+                evaluate = lambda c, ctx=ctx: self._cell(variant, CellSpec("ladder", ctx, c), ensure_engine)  # noqa: E731
+                guess = self.predicted.get(variant.name, {}).get(ctx)
+                if guess is not None:
+                    always = (1,) if self.matrix.slices.single else ()  # R9's single-request cell
+                    b = search_from(self._ladder(), evaluate, guess[0], guess[1], self.matrix.slices.bisect, always)
+                else:
+                    b = search(self._ladder(), evaluate, bisect=self.matrix.slices.bisect)
                 self.state.put_boundary(variant.name, b)
                 self.emit("boundary", variant=variant.name, boundary=b)
             mixed = self.matrix.slices.mixed

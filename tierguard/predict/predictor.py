@@ -1,0 +1,263 @@
+"""`tierguard predict`: the sweep's boundary search, with every cell simulated.
+
+For each variant: calibrate (or take the cached calibration), build the simulated
+engine, then walk exactly what `tierguard sweep` walks: per context the ladder and the
+bisection (tierguard/sweep/boundary.py's `search`), then the mixed and prefix slices,
+one cell after another on one engine. A simulated cell is judged by the sweep's own
+code (`judge`, the SLOs, the bootstrap), and written in the sweep's layout, so
+`tierguard report` reads a prediction as it reads a sweep; `state.json` and
+`boundary.json` carry a `predicted` section (how each variant was calibrated, the band).
+
+The band: the whole search runs again with every cost (steps, gaps, transfers) scaled
+by 1 - band and 1 + band, the calibration's own drift between probes (calibrate.py);
+the boundary's `uncertainty.range` is then [boundary at 1 + band, boundary at 1 - band].
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tierguard.bench.runner import mark_phases
+from tierguard.bench.stats import summarize
+from tierguard.common.errors import TierguardError
+from tierguard.engine.config import EngineConfig
+from tierguard.kv.spec import KVLayout
+from tierguard.model.config import ModelConfig
+from tierguard.predict.calibrate import (
+    Cache,
+    Calibration,
+    ProbePlan,
+    calibrate_external,
+    calibrate_ours,
+    digest,
+)
+from tierguard.predict.driver import Simulation
+from tierguard.predict.engines import Policy, classify
+from tierguard.predict.media import MediaCost, measure_media
+from tierguard.predict.simengine import EngineSpec, SimClock, SimEngine, engine_config_from, model_config_from
+from tierguard.predict.workload import cell_workload
+from tierguard.sweep.boundary import Boundary, search
+from tierguard.sweep.cells import CellSpec, CellVerdict, judge
+from tierguard.sweep.matrix import Matrix, Variant
+from tierguard.sweep.results import sample_from_record
+
+Log = Callable[[str], None]
+NOISE_SEED = 20240601
+
+
+@dataclass
+class VariantModel:
+    """What the simulator needs for one variant."""
+
+    name: str
+    spec: EngineSpec
+    calibration: Calibration
+    media: MediaCost | None = None
+
+    def describe(self) -> dict:
+        c = self.calibration
+        cfg = self.spec.config
+        return {
+            "engine": c.kind,
+            "calibration": c.fingerprint,
+            "band": c.band,
+            "probes": c.plan.to_json(),
+            "client_ms": c.client.to_json(),
+            "cost_ms": c.cost.describe(),
+            "conditions": c.conditions,
+            "policy": c.policy.to_json() if c.policy else None,
+            "engine_config": {"num_blocks": cfg.num_blocks, "block_size": cfg.block_size,
+                              "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
+                              "tiers": cfg.tiers_enabled, "naive_sync_disk": cfg.naive_sync_disk},
+            "media_ms": self.media.to_json() if self.media else None,
+        }
+
+
+def generic_spec(policy: Policy, name: str) -> EngineSpec:
+    """Our scheduler configured with a black-box engine's limits (engines.py)."""
+    bs = max(1, policy.block_size)
+    max_len = policy.max_model_len or 1 << 20
+    blocks = (policy.kv_tokens // bs) if policy.kv_tokens else (1 << 22)
+    cfg = EngineConfig(num_blocks=max(1, blocks), block_size=bs, max_num_seqs=policy.max_num_seqs,
+                       max_num_batched_tokens=max(policy.max_num_batched_tokens, policy.max_num_seqs),
+                       max_model_len=max_len, enable_prefix_caching=policy.prefix_caching)
+    mc = ModelConfig("external", 1 << 20, 1, 1, 1, 1, 1, 1, max_len)
+    return EngineSpec(cfg, mc, KVLayout(1, 1, 1, bs, "float32"), name)
+
+
+def media_for(layout: KVLayout, scratch: Path, cache: Cache, log: Log) -> MediaCost:
+    from tierguard.predict.calibrate import machine_id
+
+    key = digest({"layout": layout.__dict__, "dev": scratch.stat().st_dev, "machine": machine_id()})
+    cached = cache.get("media", key)
+    if cached is not None:
+        return MediaCost.from_json(cached["media"])
+    log(f"  timing the KV tiers ({layout.block_bytes} B blocks)")
+    media = measure_media(layout, scratch)
+    cache.put("media", key, {"media": media.to_json()})
+    return media
+
+
+def model_variant(matrix: Matrix, variant: Variant, workdir: Path, cache: Cache, log: Log,
+                  plan: ProbePlan | None = None) -> VariantModel:
+    kind = classify(variant).kind
+    if kind == "tierguard":
+        cal, header = calibrate_ours(matrix, variant, workdir, cache, log, plan)
+        spec = EngineSpec(engine_config_from(header["engine_config"]), model_config_from(header["model_config"]),
+                          KVLayout(**header["kv_layout"]), header.get("model_name", variant.name))
+        media = None
+        if spec.config.tiers_enabled:
+            workdir.mkdir(parents=True, exist_ok=True)
+            media = media_for(spec.kv_layout, workdir, cache, log)
+        return VariantModel(variant.name, spec, cal, media)
+    if variant.command is None:
+        raise TierguardError(f"{variant.name}: predicting a running server (base_url) needs its command to "
+                             "calibrate on; give `command`")
+    cal = calibrate_external(matrix, variant, workdir, cache, log, plan)
+    return VariantModel(variant.name, generic_spec(cal.policy or Policy(), variant.name), cal)
+
+
+def simulation(vm: VariantModel, scale: float, seed: int) -> Simulation:
+    clock = SimClock(1000.0)
+    rng = np.random.default_rng(seed)
+    engine = SimEngine(vm.spec, vm.calibration.cost, vm.media, clock, rng, scale)
+    sim = Simulation(engine, clock, vm.calibration.cost, vm.calibration.client, rng, scale)
+    sim.warm_up()
+    return sim
+
+
+def workload_fingerprint(wl) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps({"closed": wl.closed_loop, "c": wl.concurrency}).encode())
+    for p, o, off in zip(wl.prompts, wl.output_lens, wl.offsets, strict=True):
+        h.update(f"{len(p)}|{o}|{off:.6f}\n".encode())
+    return "sim-" + h.hexdigest()[:28]
+
+
+def simulate_cell(matrix: Matrix, vm: VariantModel, sim: Simulation, spec: CellSpec, out_dir: Path | None,
+                  held_out: bool) -> CellVerdict:
+    """Run one cell (every repeat), write its bench-layout result, judge it."""
+    vocab = min(32000, vm.spec.model_config.vocab_size)
+    samples, fps = [], set()
+    for r in range(matrix.uncertainty.repeats):
+        wl = cell_workload(matrix, spec, vocab, repeat=r)
+        records = sim.run(wl)
+        measured = mark_phases(records, wl.config)
+        samples += [sample_from_record(rec.to_json()) for rec in measured]
+        fp = workload_fingerprint(wl)
+        fps.add(fp)
+        if out_dir is not None:
+            from tierguard.bench.results import write_run
+
+            summary = summarize(measured, wl.config.slo)
+            summary.update(predicted=True, profile_fingerprint=fp)
+            write_run(out_dir / f"r{r}", summary, {"config": wl.config.to_json(), "profile_fingerprint": fp,
+                                                   "predicted": True, "held_out": held_out, "model": vm.name},
+                      records)
+        sim.pause()
+    assert len(fps) == 1
+    return judge(spec, samples, matrix.slo, matrix.uncertainty, fingerprint=fps.pop())
+
+
+def ladder_of(matrix: Matrix) -> list[int]:
+    ladder = list(matrix.slices.ladder)
+    if matrix.slices.single and ladder[0] != 1:
+        ladder.insert(0, 1)
+    return ladder
+
+
+def predict_variant(matrix: Matrix, vm: VariantModel, out: Path | None, seed: int = NOISE_SEED,
+                    scales: tuple[float, ...] | None = None, extra: dict[int, list[int]] | None = None) -> dict:
+    """Boundaries per context at each cost scale (1.0 first; its cells are written), the
+    mixed/prefix cells at scale 1, and which cells lie outside the calibration. `extra`:
+    per context, ladder cells to simulate beside the search's (e.g. every concurrency a
+    measured sweep ran, to compare p99s cell by cell)."""
+    band = vm.calibration.band
+    scales = scales or (1.0, 1.0 - band, 1.0 + band)
+    contexts, concs = vm.calibration.plan.conditions()
+    result: dict = {"boundaries": {}, "cells": {}, "bands": {}}
+    for k, scale in enumerate(scales):
+        sim = simulation(vm, scale, seed)
+        write = k == 0 and out is not None
+
+        def run(spec: CellSpec) -> CellVerdict:
+            held = spec.context not in contexts or spec.concurrency not in concs
+            v = simulate_cell(matrix, vm, sim, spec, (out / spec.key) if write else None, held)  # noqa: B023
+            if k == 0:  # noqa: B023
+                result["cells"][spec.key] = (v, held)
+            return v
+
+        for ctx in matrix.profile.context_lengths:
+            b = search(ladder_of(matrix), lambda c, ctx=ctx: run(CellSpec("ladder", ctx, c)),
+                       bisect=matrix.slices.bisect)
+            result["boundaries"].setdefault(ctx, {})[scale] = b
+            for c in (extra or {}).get(ctx, []) if k == 0 else []:
+                if CellSpec("ladder", ctx, c).key not in result["cells"]:
+                    run(CellSpec("ladder", ctx, c))
+        if k == 0:
+            mixed, prefix = matrix.slices.mixed, matrix.slices.prefix
+            for c in mixed.concurrency if mixed else []:
+                run(CellSpec("mixed", mixed.long_len, c))  # type: ignore[union-attr]
+            for c in prefix.concurrency if prefix else []:
+                run(CellSpec("prefix", prefix.context, c))  # type: ignore[union-attr]
+    for ctx, by_scale in result["boundaries"].items():
+        vals = [b.max_concurrency or 0 for b in by_scale.values()]
+        result["bands"][ctx] = [min(vals) or None, max(vals) or None]
+    return result
+
+
+def predict_matrix(matrix: Matrix, run_dir: Path, cache_dir: Path, log: Log, matrix_text: str | None = None,
+                   variants: list[str] | None = None, plan: ProbePlan | None = None,
+                   extra: dict[str, dict[int, list[int]]] | None = None) -> dict:
+    """Calibrate and simulate every variant; write the sweep layout into `run_dir`."""
+    from tierguard.sweep.runner import Sweep, boundary_document
+
+    cache = Cache(cache_dir)
+    sweep = Sweep(matrix, run_dir, matrix_text=matrix_text)
+    state = sweep.state
+    meta = state.data.setdefault("predicted", {"variants": {}})
+    for v in matrix.variants:
+        if variants is not None and v.name not in variants:
+            continue
+        vs = state.variant(v.name)
+        t0 = time.monotonic()
+        try:
+            vm = model_variant(matrix, v, run_dir / v.name / "calibration", cache, log, plan)
+        except (TierguardError, OSError, ValueError) as exc:
+            vs.update(status="failed", error=f"calibration: {exc}")
+            state.save()
+            log(f"{v.name}: calibration failed: {exc}")
+            continue
+        t1 = time.monotonic()
+        try:
+            res = predict_variant(matrix, vm, run_dir / v.name, extra=(extra or {}).get(v.name))
+        except (RuntimeError, ValueError, TierguardError) as exc:  # e.g. a workload the engine never finishes
+            vs.update(status="failed", error=f"simulation: {exc}")
+            state.save()
+            log(f"{v.name}: simulation failed: {exc}")
+            continue
+        for key, (verdict, _held) in res["cells"].items():
+            state.data["cells"].setdefault(v.name, {})[key] = verdict.to_json()
+        for ctx, by_scale in res["boundaries"].items():
+            b: Boundary = by_scale[1.0]
+            doc = b.to_json()
+            lo, hi = res["bands"][ctx]
+            doc["uncertainty"]["range"] = [lo, hi]
+            doc["predicted"] = {"band": [lo, hi], "scales": {f"{s:g}": x.max_concurrency for s, x in by_scale.items()}}
+            state.data["boundaries"].setdefault(v.name, {})[str(ctx)] = doc
+            log(f"{v.name}: context {ctx} -> predicted boundary {b.max_concurrency} (band {lo}..{hi})")
+        held = sorted(k for k, (_v, h) in res["cells"].items() if h)
+        meta["variants"][v.name] = {**vm.describe(), "held_out_cells": held,
+                                    "calibrate_s": round(t1 - t0, 1), "simulate_s": round(time.monotonic() - t1, 1)}
+        vs.update(status="done", error=None, engine={"model": vm.spec.model_name, "version": "simulated"})
+        state.save()
+    doc = boundary_document(matrix, state)
+    (run_dir / "boundary.json").write_text(json.dumps(doc, indent=1))
+    return doc
