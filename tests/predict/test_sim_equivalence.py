@@ -74,12 +74,16 @@ def test_simulated_engine_decides_as_the_real_one(case, tiny_dir):
         clock = SimClock(100.0)
         engine = make(tiny_dir, EngineConfig(**CASES[case]), cost, clock)
         decisions = record_decisions(engine)
+        durations: list[float] = []
+        engine.add_step_listener(lambda stats, durations=durations: durations.append(stats.duration_s))
         sim = Simulation(engine, clock, cost, CLIENT)
         sim.warm_up()
         records = []
         for c, n in ((1, 1), (3, 4), (6, 7)):
             records += sim.run(probe_workload(40, 10, c, n, seed=c, vocab=500))
             sim.pause()
+        # a step lasts what its pinned cost moved the engine's clock, never wall time
+        assert durations and all(0 < d < 1 for d in durations), (min(durations), max(durations))
         runs.append((decisions, [(r.first_token_s, r.end_s, r.output_tokens) for r in records], clock.now))
     (real_dec, real_rec, real_end), (sim_dec, sim_rec, sim_end) = runs
     assert len(real_dec) > 40
