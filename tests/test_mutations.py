@@ -262,6 +262,22 @@ MUTANTS = [
         "duration_s=__import__('time').perf_counter() - started,",
         ("tests/predict/test_sim_equivalence.py::test_simulated_engine_decides_as_the_real_one[target-itl]",),
     ),
+    Mutant(
+        "bf16 kernel: activations truncated to bfloat16, not rounded to nearest",
+        C_KERNELS,
+        "u += 0x7fffu + ((u >> 16) & 1u);",
+        "u += 0u;",
+        ("tests/model/test_bf16_kernels.py::test_gemm_bf16_matches_a_float64_reference",),
+        slow=True,
+    ),
+    Mutant(
+        "bf16 kernel, portable path: the odd inputs' products dropped",
+        C_KERNELS,
+        "acc[m] += xe * we + xo * wo;",
+        "acc[m] += xe * we;",
+        ("tests/model/test_bf16_kernels.py::test_fallback_builds_compute_the_same",),
+        slow=True,
+    ),
 ]
 FAST = [m for m in MUTANTS if not m.slow]
 

@@ -335,3 +335,23 @@ def test_weight_quant_quality_requires_quantized_weights_and_scored_positions():
     assert good["valid"] and good["int8"]["meets_target"] is True and good["int4"]["meets_target"] is True
     floats = wq.judge({**report, "int8": {"bytes_vs_float32": 1.0, "agreement": 1.0}})  # never quantized
     assert not floats["valid"] and floats["int8"]["meets_target"] is None
+    bf16 = wq.judge({**report, "bf16": {"bytes_vs_float32": 0.5, "agreement": 0.99}})
+    assert bf16["valid"] and bf16["bf16"]["meets_target"] is True
+    wide = wq.judge({**report, "bf16": {"bytes_vs_float32": 1.0, "agreement": 1.0}})  # float32 kept
+    assert not wide["valid"]
+
+
+def test_weight_dtype_speed_requires_each_kind_its_weights_and_the_fused_step():
+    ws = load("weight_dtype_speed")
+
+    def kind(ratio):
+        return {"bytes_vs_float32": ratio, "fused_steps": 40, "short_batches": 0}
+
+    good = ws.judge({"kinds": {"auto": kind(1.0), "bf16": kind(0.5), "int8": kind(0.27)}})
+    assert good["valid"], good["invalid_reasons"]
+    assert not ws.judge({"kinds": {"auto": kind(1.0), "bf16": kind(1.0), "int8": kind(0.27)}})["valid"]
+    unfused = ws.judge({"kinds": {"auto": kind(1.0), "bf16": {**kind(0.5), "fused_steps": 0}, "int8": kind(0.27)}})
+    assert not unfused["valid"] and "fused step" in " ".join(unfused["invalid_reasons"])
+    short = ws.judge({"kinds": {"auto": {**kind(1.0), "short_batches": 1}, "bf16": kind(0.5), "int8": kind(0.27)}})
+    assert not short["valid"]
+    assert not ws.judge({"kinds": {"auto": kind(1.0)}})["valid"]  # a kind missing

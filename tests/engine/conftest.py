@@ -38,6 +38,10 @@ def variant_dir(tmp_path_factory, model_dirs):
                 kwargs.update(arch="mistral")
             elif name == "qwen3":
                 kwargs.update(arch="qwen3", vocab=400, head_dim=32)  # != hidden / heads
+            elif name == "llama-hd64":
+                kwargs.update(hidden=128, heads=2, kv_heads=1)  # G = 2 query heads per KV head
+            elif name == "llama-hd128":
+                kwargs.update(hidden=256, heads=2, kv_heads=1)
             elif name == "llama3-rope-tied":
                 kwargs.update(
                     tie_word_embeddings=True,

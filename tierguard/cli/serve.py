@@ -66,9 +66,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--weight-dtype",
         default="auto",
-        choices=["auto", "int8", "int4"],
-        help="weight-only quantization at load: int8 (groups of 32 inputs, as GGUF Q8_0) or int4 (groups of "
-        "--int4-group inputs); auto keeps --dtype weights",
+        choices=["auto", "bf16", "int8", "int4"],
+        help="weight-only quantization at load: bf16 (bfloat16 weights, float32 activations), int8 (groups "
+        "of 32 inputs, as GGUF Q8_0) or int4 (groups of --int4-group inputs); auto keeps --dtype weights",
     )
     p.add_argument("--int4-group", type=int, default=32, choices=[32, 64], help="inputs per int4 scale")
     p.add_argument(

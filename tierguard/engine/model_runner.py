@@ -32,7 +32,7 @@ from tierguard.model.llama import LlamaModel
 from tierguard.model.quantize import weight_bytes
 
 KV_DTYPES = ("auto", "fp8", "int8")  # auto = the model dtype, no scales
-WEIGHT_BITS = {"int8": 8, "int4": 4}  # nominal; the gauge weight_bytes has the exact size
+WEIGHT_BITS = {"bf16": 16, "int8": 8, "int4": 4}  # nominal; the gauge weight_bytes has the exact size
 
 
 def kv_layout(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_dtype: str = "auto") -> KVLayout:

@@ -82,7 +82,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--weight-dtype", default="auto", help="auto, int8 or int4 (weight-only quantization)")
+    ap.add_argument("--weight-dtype", default="auto", help="auto, bf16, int8 or int4 (weight-only quantization)")
     ap.add_argument("--kv-cache-gib", type=float, default=0.25)
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--profile-steps", type=int, default=16, help="steps under torch.profiler (0: none)")

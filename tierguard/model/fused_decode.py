@@ -7,9 +7,10 @@ about as much as reading the weights once. `tg_decode_step` runs all layers in o
 five barriers per layer (each thread repeats the small row-wise ops on its own copy of
 the rows rather than wait at two more), so the step costs about the weight reads.
 
-What it covers: a step of decodes only (one token per sequence, at most 64), float32
-activations on the CPU, a float32 KV pool (the per-op decode kernel's pool), weights that
-are float32 `Linear`, `Int8Linear` or `Int4Linear`, RMSNorm, no q/k norm (Qwen3 keeps the
+What it covers: a step of up to MAX_BATCH rows (decodes, and the tokens of prefill
+chunks: model_runner builds their rows), float32 activations on the CPU, a float32 KV
+pool (the per-op decode kernel's pool), weights that are float32 `Linear`, `Int8Linear`,
+`Int4Linear` or `Bf16Linear`, RMSNorm, no q/k norm (Qwen3 keeps the
 per-op path), biases allowed (Qwen2). Anything else, or a model whose layers stream in
 through hooks (weight offload), takes the per-op path; `build` logs why. Setting
 `TIERGUARD_FUSED_DECODE=0` turns it off (to compare, or to rule it out).
@@ -27,12 +28,12 @@ import os
 import torch
 
 from tierguard.model import native
-from tierguard.model.qlinear import Int4Linear, Int8Linear
+from tierguard.model.qlinear import Bf16Linear, Int4Linear, Int8Linear
 
 log = logging.getLogger(__name__)
 
-MAX_BATCH = 64  # TG_MAX_BATCH
-KIND_F32, KIND_INT8, KIND_INT4 = 0, 1, 2
+MAX_BATCH = 2048  # TG_MAX_STEP_ROWS: decodes and prefill tokens of one step
+KIND_F32, KIND_INT8, KIND_INT4, KIND_BF16 = 0, 1, 2, 3
 
 
 class Lin(ctypes.Structure):
@@ -107,7 +108,9 @@ def _f32(t: torch.Tensor | None, what: str) -> int | None:
 
 def _lin(module: torch.nn.Module, what: str) -> Lin:
     bias = getattr(module, "bias", None)
-    if isinstance(module, Int8Linear):
+    if isinstance(module, Bf16Linear):
+        lin = Lin(KIND_BF16, 0, module.out_features, module.in_features, module.packed.data_ptr())
+    elif isinstance(module, Int8Linear):
         lin = Lin(KIND_INT8, 0, module.out_features, module.in_features, module.qweight.data_ptr(), module.scale.data_ptr())
     elif isinstance(module, Int4Linear):
         if module.group % 16 or module.in_features % module.group:

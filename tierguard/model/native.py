@@ -47,9 +47,14 @@ HEADERS = sorted(KERNELS.glob("*.h"))  # part of the build key
 # process (Python floats included) when the library loads.
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c99"]
 LINK_FLAGS = ["-shared", "-fopenmp", "-O3", "-march=native", "-fPIC"]
+# The kernels pick their instruction sets when they are compiled (`#if defined(__AVX512BF16__)`
+# and the like), for the CPU they run on. TIERGUARD_CPU_ARCH names another -march (e.g.
+# x86-64-v3: AVX2 only; x86-64: SSE2 only), so the fallbacks an older CPU would take can be
+# built and checked on a newer one; the target must be one this CPU can run.
+ARCH_ENV = "TIERGUARD_CPU_ARCH"
 # GCC's link-time optimisation over the whole library as one unit, as if it were one file.
 LTO_FLAGS, LTO_LINK_FLAGS = ["-flto"], ["-flto", "-flto-partition=one"]
-ABI_VERSION = 9
+ABI_VERSION = 10
 
 
 class DecodeArgs(ctypes.Structure):
@@ -108,9 +113,11 @@ def compiler_flags(version: str) -> tuple[list[str], list[str]]:
     """(compile, link) flags for the compiler whose `--version` text this is: with LTO for
     GCC; another compiler (clang needs a linker plugin for LTO) builds the same files
     without it, correct but with the shared helpers called across files."""
+    march = f"-march={os.environ.get(ARCH_ENV) or 'native'}"
+    flags, link_flags = ([march if f == "-march=native" else f for f in fl] for fl in (FLAGS, LINK_FLAGS))
     if "clang" in version.lower():
-        return FLAGS, LINK_FLAGS
-    return FLAGS + LTO_FLAGS, LINK_FLAGS + LTO_LINK_FLAGS
+        return flags, link_flags
+    return flags + LTO_FLAGS, link_flags + LTO_LINK_FLAGS
 
 
 def build(cc: str) -> Path:
@@ -180,6 +187,12 @@ def library() -> ctypes.CDLL | None:
     lib.tg_decode_step_scratch.restype = ctypes.c_int64
     lib.tg_decode_step.argtypes = [p]
     lib.tg_decode_step.restype = ctypes.c_int
+    lib.tg_gemm_bf16.argtypes = [p, i64, i64, p, i64, p, i64]
+    lib.tg_gemm_bf16.restype = ctypes.c_int
+    lib.tg_isa.argtypes = []
+    lib.tg_isa.restype = ctypes.c_int64
+    lib.tg_peak.argtypes = [i64, i64]
+    lib.tg_peak.restype = ctypes.c_double
     return lib
 
 
@@ -318,6 +331,39 @@ def dequant_int4(
     k = q.shape[1] * 2
     library().tg_dequant_int4(q.data_ptr(), scale.data_ptr(), lo.data_ptr(), k, group, start, end, out.data_ptr())
     return out[: end - start]
+
+
+# -- bfloat16 weights in panels (kernels/bf16.c holds the layout) ------------------------------
+def gemm_bf16(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """x [M, K] float32 contiguous against a [N, K] weight in panels (qlinear.pack_bf16).
+    Returns [M, N]."""
+    m, k = x.shape
+    y = torch.empty(m, n, dtype=torch.float32)
+    if library().tg_gemm_bf16(x.data_ptr(), m, k, packed.data_ptr(), n, y.data_ptr(), n) != 0:
+        raise MemoryError(f"tg_gemm_bf16: no memory for {m} rows' bfloat16 copy")
+    return y
+
+
+# -- instruction sets and peaks (kernels/isa.c) -----------------------------------------------
+ISA_FLAGS = {"avx2": 1, "avx512": 2, "avx512_bf16": 4, "avx512_vnni": 8, "avx_vnni": 16}
+PEAK_KINDS = {"float32_fma": 0, "bfloat16_dot": 1, "int8_dot": 2}
+
+
+def isa() -> list[str]:
+    """The instruction sets the kernels were compiled with (those of this CPU), by name."""
+    lib = library()
+    flags = lib.tg_isa() if lib is not None else 0
+    return [name for name, bit in ISA_FLAGS.items() if flags & bit]
+
+
+def peak_ops(kind: str, iters: int = 2_000_000) -> float | None:
+    """Operations per second (a multiply-add counts two) of one instruction kind
+    (PEAK_KINDS) on torch's thread count, or None where the CPU lacks it."""
+    lib = library()
+    if lib is None:
+        return None
+    rate = lib.tg_peak(PEAK_KINDS[kind], iters)
+    return rate if rate > 0 else None
 
 
 # -- fused small ops (float32, contiguous rows) ---------------------------------------------

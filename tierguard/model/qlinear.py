@@ -39,7 +39,7 @@ from torch import nn
 
 from tierguard.model import native
 
-WEIGHT_DTYPES = ("auto", "int8", "int4")
+WEIGHT_DTYPES = ("auto", "bf16", "int8", "int4")
 INT4_GROUPS = (32, 64, 128)
 INT8_GROUP = 32  # GGUF Q8_0's block; the C kernels assume it
 INT8_SCALE_CANDIDATES = 32  # scales absmax / (127 - j) tried per group (quantize_int8)
@@ -243,6 +243,62 @@ class Int4Linear(QuantLinear):
         scale = self.scale.index_select(0, ids).float().unsqueeze(-1)
         w = q * scale + self.lo.index_select(0, ids).float().unsqueeze(-1)
         return w.view(len(ids), -1).to(dtype)
+
+
+BF16_PANEL = 32  # TG_BF16_NR in kernels/tg_kernels.h: weight rows per panel
+
+
+def pack_bf16(w: torch.Tensor) -> torch.Tensor:
+    """float [N, K] -> bfloat16 (rounded to nearest even) in the kernels' panel layout
+    (kernels/bf16.c): int16 [ceil(N / 32), ceil(K / 2), 32, 2], element (p, kp, j, t) =
+    w[32 p + j, 2 kp + t], zero past N and K."""
+    n, k = w.shape
+    panels, kh = -(-n // BF16_PANEL), -(-k // 2)
+    padded = torch.zeros(panels * BF16_PANEL, 2 * kh, dtype=torch.bfloat16, device=w.device)
+    padded[:n, :k] = w.detach()
+    return padded.view(panels, BF16_PANEL, kh, 2).transpose(1, 2).contiguous().view(torch.int16)
+
+
+def unpack_bf16(packed: torch.Tensor, k: int, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a packed weight (pack_bf16) as bfloat16 [len(ids), K]."""
+    ids = ids.to(device=packed.device, dtype=torch.long)
+    rows = packed.view(torch.bfloat16)[ids // BF16_PANEL, :, ids % BF16_PANEL]  # [n, K / 2, 2]
+    return rows.reshape(len(ids), -1)[:, :k]
+
+
+class Bf16Linear(QuantLinear):
+    """bfloat16 weights with float32 activations (`--weight-dtype bf16`): each matmul rounds
+    its input rows to bfloat16 and sums in float32 (kernels/bf16.c, AVX512-BF16 dot
+    products where the CPU has them). Why: steps of many rows are bound by arithmetic, and
+    the bfloat16 dot product does twice float32's multiply-adds per instruction from half
+    the bytes, while the residual stream, norms, attention and KV stay float32. Every row
+    count goes to the kernel; without it (no compiler, CUDA) the rows are unpacked
+    BLOCK_ROWS at a time for torch's matmul in float32."""
+
+    gemv_rows = 1 << 62  # the kernel takes every row count
+
+    def __init__(self, packed: torch.Tensor, out_features: int, in_features: int,
+                 bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        want = (-(-out_features // BF16_PANEL), -(-in_features // 2), BF16_PANEL, 2)
+        if packed.dtype != torch.int16 or tuple(packed.shape) != want:
+            raise ValueError(f"bf16 layer needs packed int16 {want}, got {packed.dtype} {tuple(packed.shape)}")
+        self.out_features, self.in_features = out_features, in_features
+        self.register_buffer("packed", packed.contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None) -> Bf16Linear:
+        return cls(pack_bf16(w), w.shape[0], w.shape[1], bias)
+
+    def _gemv(self, x: torch.Tensor) -> torch.Tensor:
+        return native.gemm_bf16(x, self.packed, self.out_features)
+
+    def rows_range(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.rows(torch.arange(start, end, device=self.packed.device), dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return unpack_bf16(self.packed, self.in_features, ids).to(dtype)
 
 
 class QuantEmbedding(nn.Module):

@@ -1,4 +1,4 @@
-"""Quantization at load: which tensors become int8 / int4 modules, and how.
+"""Quantization at load: which tensors become bf16 / int8 / int4 modules, and how.
 
 The loader hands tensors over one at a time (tierguard/model/loader.py); each linear
 weight (fused q/k/v, o, fused gate/up, down, an untied lm_head) and the embedding is
@@ -9,7 +9,8 @@ int8 is group-wise (32 inputs per float16 scale, GGUF Q8_0's layout; qlinear.py)
 takes every shape. int4 needs K in whole groups; a tensor that does not fit is kept int8
 and counted as such in `summary`. With int4 the embedding (and a tied or untied lm_head)
 stays int8, as llama.cpp's Q4 files keep token_embd/output at 8 bits: an int4 embedding
-alone loses much of the agreement with float32 that an int8 one keeps.
+alone loses much of the agreement with float32 that an int8 one keeps. bf16 rounds every
+linear weight and the embedding to bfloat16 in the kernels' panel layout (Bf16Linear).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections import Counter
 import torch
 from torch import nn
 
-from tierguard.model.qlinear import Int4Linear, Int8Linear, QuantEmbedding, QuantLinear
+from tierguard.model.qlinear import Bf16Linear, Int4Linear, Int8Linear, QuantEmbedding, QuantLinear
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,10 @@ class WeightQuantizer:
         return attr == "weight" and (leaf in LINEAR_MODULES or module in ("lm_head", "embed_tokens"))
 
     def kind(self, shape: tuple[int, int], head: bool) -> str:
-        """int8 or int4 for a weight of `shape`; `head`: the embedding or lm_head (int8)."""
+        """bf16, int8 or int4 for a weight of `shape`; `head`: the embedding or lm_head (int8
+        with int4 weights)."""
+        if self.weight_dtype == "bf16":
+            return "bf16"
         if head or (self.weight_dtype == "int4" and not Int4Linear.supports(shape, self.group)):
             return "int8"
         return self.weight_dtype
@@ -55,6 +59,8 @@ class WeightQuantizer:
         self.kinds[kind] += 1
         if kind == "int4":
             return Int4Linear.from_float(w, self.group, bias).to(self.device)
+        if kind == "bf16":
+            return Bf16Linear.from_float(w.to(self.device), bias)
         return Int8Linear.from_float(w, bias).to(self.device)
 
     def _install(self, model: nn.Module, module_name: str, make) -> None:

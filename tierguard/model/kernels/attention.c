@@ -253,6 +253,138 @@ void attend(const tg_decode_args *a, int b, int h0, int h1) {
         for (int d = 0; d < D; d++) o[g * D + d] *= inv[g];
 }
 
+/* ---- the rows of a prefill chunk ----
+ * Rows [b0, b0 + n) of one sequence at consecutive positions (ctx[b0 + r] = ctx[b0] + r,
+ * one block table), all of whose K/V are in the pool, for KV head h: each of the n x G
+ * query vectors attends causally over keys [0, its row's ctx). Why not attend() per row:
+ * per row and head it re-reads the whole context and spends a horizontal sum per four
+ * keys, so a chunk's attention cost a third of its matmuls; here the context's K is
+ * transposed once per unit ([D][keys]: 16 keys per vector) and the scores, softmax and
+ * P.V run as register tiles of full-width multiply-adds, no horizontal sums.
+ * Needs D % 16 == 0 (chunk_ok); 16-float vectors of GCC's vector extensions, which the
+ * compiler splits into halves or quarters on CPUs without AVX-512. */
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+#if defined(__AVX512F__)
+#define TG_QT 8  /* query vectors per score tile (x 2 key vectors) */
+#define TG_OT 6  /* query vectors per output tile (x D / 16 vectors) */
+#else
+#define TG_QT 2
+#define TG_OT 2
+#endif
+
+static __thread float *tg_abuf;
+static __thread int64_t tg_abuf_len;
+
+/* sc[t][j0 .. j0 + 32) = q_t . K[j] for nt query vectors (rows of D) and the keys
+ * j < lim (rounded up to 32), K transposed in kt [D][Lp]. */
+static inline __attribute__((always_inline)) void score_tile(const float *q, int D, const float *kt, int Lp, int lim,
+                                                            const int nt, float *sc) {
+    for (int j0 = 0; j0 < lim; j0 += 32) {
+        v16 acc0[TG_QT], acc1[TG_QT];
+        for (int t = 0; t < nt; t++) acc0[t] = acc1[t] = (v16){0};
+        for (int d = 0; d < D; d++) {
+            const v16 k0 = *(const v16 *)(kt + (int64_t)d * Lp + j0), k1 = *(const v16 *)(kt + (int64_t)d * Lp + j0 + 16);
+            for (int t = 0; t < nt; t++) {
+                const float qv = q[(int64_t)t * D + d];
+                acc0[t] += qv * k0;
+                acc1[t] += qv * k1;
+            }
+        }
+        for (int t = 0; t < nt; t++) {
+            *(v16 *)(sc + (int64_t)t * Lp + j0) = acc0[t];
+            *(v16 *)(sc + (int64_t)t * Lp + j0 + 16) = acc1[t];
+        }
+    }
+}
+
+/* o[t][0 .. 16 DV) = sum over keys j < lim of p[t][j] V[j] for nt query vectors, the V
+ * rows read through the block table (v: the pool's V of this head, block 0 slot 0). */
+static inline __attribute__((always_inline)) void pv_tile(const float *p, int Lp, const float *v, const int32_t *table,
+                                                         int64_t blk, int64_t row, int bs, int lim, const int nt,
+                                                         const int DV, float **o) {
+    v16 acc[TG_OT][8];
+    for (int t = 0; t < nt; t++)
+        for (int c = 0; c < DV; c++) acc[t][c] = (v16){0};
+    for (int j = 0; j < lim; j++) {
+        const float *vr = v + (int64_t)table[j / bs] * blk + (int64_t)(j % bs) * row;
+        for (int t = 0; t < nt; t++) {
+            const float pt = p[(int64_t)t * Lp + j];
+            for (int c = 0; c < DV; c++) acc[t][c] += pt * *(const v16 *)(vr + 16 * c);
+        }
+    }
+    for (int t = 0; t < nt; t++)
+        for (int c = 0; c < DV; c++) *(v16 *)(o[t] + 16 * c) = acc[t][c];
+}
+
+int chunk_ok(const tg_decode_args *a) { return a->head_dim % 16 == 0; }
+
+/* Returns 0, or -1 without memory for its buffers (the caller then runs attend per row). */
+int attend_chunk(const tg_decode_args *a, int b0, int n, int h) {
+    const int KV = a->kv_heads, D = a->head_dim, bs = a->block_size, G = a->heads / KV, NQ = n * G;
+    const int L = a->ctx[b0 + n - 1], Lp = (L + 31) / 32 * 32;
+    const int64_t row = (int64_t)KV * D;
+    const int32_t *table = a->tables + (int64_t)a->rows[b0] * a->table_stride;
+    float *buf = tg_thread_buffer(&tg_abuf, &tg_abuf_len, (int64_t)D * Lp + (int64_t)NQ * (Lp + D));
+    if (!buf) return -1;
+    float *kt = buf, *sc = kt + (int64_t)D * Lp, *q = sc + (int64_t)NQ * Lp;
+    for (int j = 0; j < Lp; j++) { /* K^T: kt[d * Lp + j] */
+        if (j < L) {
+            const float *k = a->pool + (int64_t)table[j / bs] * a->blk_stride + (int64_t)(j % bs) * row + (int64_t)h * D;
+            for (int d = 0; d < D; d++) kt[(int64_t)d * Lp + j] = k[d];
+        } else {
+            for (int d = 0; d < D; d++) kt[(int64_t)d * Lp + j] = 0.f;
+        }
+    }
+    for (int i = 0; i < NQ; i++) { /* query vector i: row i / G, head h * G + i % G */
+        const float *src = a->q + (int64_t)(b0 + i / G) * a->q_stride + (int64_t)(h * G + i % G) * D;
+        for (int d = 0; d < D; d++) q[(int64_t)i * D + d] = src[d] * a->scale;
+    }
+    /* scores: tiles of TG_QT query vectors x 32 keys, over the keys the tile's last row sees */
+    for (int i0 = 0; i0 < NQ; i0 += TG_QT) {
+        const int nt = NQ - i0 < TG_QT ? NQ - i0 : TG_QT, lim = a->ctx[b0 + (i0 + nt - 1) / G];
+        if (nt == TG_QT)
+            score_tile(q + (int64_t)i0 * D, D, kt, Lp, lim, TG_QT, sc + (int64_t)i0 * Lp);
+        else
+            score_tile(q + (int64_t)i0 * D, D, kt, Lp, lim, nt, sc + (int64_t)i0 * Lp);
+    }
+    /* softmax over each query's own keys; the probabilities of keys it may not see, up to
+     * the limit of its output tile (the tile's last row), are zero */
+    for (int i = 0; i < NQ; i++) {
+        float *si = sc + (int64_t)i * Lp;
+        const int last = (i / TG_OT + 1) * TG_OT - 1 < NQ ? (i / TG_OT + 1) * TG_OT - 1 : NQ - 1;
+        const int li = a->ctx[b0 + i / G], lt = a->ctx[b0 + last / G];
+        float m = -FLT_MAX, sum = 0.f; /* finite: built with -ffast-math */
+        for (int j = 0; j < li; j++) m = si[j] > m ? si[j] : m;
+#pragma omp simd reduction(+ : sum)
+        for (int j = 0; j < li; j++) {
+            si[j] = expf(si[j] - m);
+            sum += si[j];
+        }
+        const float inv = 1.f / sum;
+        for (int j = 0; j < li; j++) si[j] *= inv;
+        for (int j = li; j < lt; j++) si[j] = 0.f;
+    }
+    /* out = P . V: tiles of TG_OT query vectors x D, one pass over the V rows */
+    for (int i0 = 0; i0 < NQ; i0 += TG_OT) {
+        const int nt = NQ - i0 < TG_OT ? NQ - i0 : TG_OT, lim = a->ctx[b0 + (i0 + nt - 1) / G];
+        float *o[TG_OT];
+        for (int t = 0; t < nt; t++)
+            o[t] = a->out + (int64_t)(b0 + (i0 + t) / G) * a->heads * D + (int64_t)(h * G + (i0 + t) % G) * D;
+        const float *p = sc + (int64_t)i0 * Lp, *v = a->pool + a->v_offset + (int64_t)h * D;
+        if (nt == TG_OT && D == 64)
+            pv_tile(p, Lp, v, table, a->blk_stride, row, bs, lim, TG_OT, 4, o);
+        else if (nt == TG_OT && D == 128)
+            pv_tile(p, Lp, v, table, a->blk_stride, row, bs, lim, TG_OT, 8, o);
+        else
+            for (int t = 0; t < nt; t++)
+                for (int v0 = 0; v0 < D; v0 += 16) {
+                    float *ot = o[t] + v0;
+                    pv_tile(p + (int64_t)t * Lp, Lp, v + v0, table, a->blk_stride, row, bs, lim, 1, 1, &ot);
+                }
+    }
+    return 0;
+}
+
 /* Returns 0, or -1 when the queries (heads x head_dim floats) would not fit the stack
  * buffers' budget. With at least as many sequences as threads each thread takes whole
  * sequences (all heads: one pass over each slot); with fewer, KV heads are split over

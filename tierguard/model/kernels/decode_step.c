@@ -1,6 +1,7 @@
-/* A whole decode step of a Llama layer stack, float32 activations, in one call.
- * Built from the other families (the GEMV rows and tiles, `attend` and `store_heads`, the
- * row-wise ops); driven by tierguard/model/fused_decode.py.
+/* A whole step of a Llama layer stack, float32 activations, in one call: decodes, and
+ * the tokens of prefill chunks as rows of their own.
+ * Built from the other families (the GEMV rows and tiles, the bfloat16 panels, `attend`
+ * and `store_heads`, the row-wise ops); driven by tierguard/model/fused_decode.py.
  *
  * Why: with eager torch a small model's decode step is hundreds of small ops; their
  * dispatch, the allocations and the OpenMP fork/joins cost about as much as reading the
@@ -9,21 +10,29 @@
  * five barriers per layer. The arithmetic is the per-op kernels' own (same functions,
  * same order), so the step equals the per-op path up to the rounding of the rope.
  *
- * Per layer, for B decode tokens (x: the residual stream, [B, hidden]):
+ * Per layer, for B rows (x: the residual stream, [B, hidden]):
  *   h = rmsnorm(x) (layer 0; later layers get it from the previous layer's end)
  *   qkv = h Wqkv^T (+ bias); rotate q, k; write k, v into the pool; att = attention
  *   x += att Wo^T; h = rmsnorm(x)
  *   x += silu_mul(h Wgu^T) Wdown^T; h = rmsnorm(x) with the next layer's (or the final) norm
+ *
+ * Up to TG_DUP_ROWS rows (decodes, small chunks) every thread keeps its own copy of the
+ * residual stream and repeats the row-wise ops on it (below); more rows (a step with a
+ * prefill chunk, where the row-wise work is no longer small) share one copy and split
+ * the row-wise ops by rows, with a barrier after each.
  */
 #include "tg_kernels.h"
 
-enum { TG_LIN_F32 = 0, TG_LIN_INT8 = 1, TG_LIN_INT4 = 2 };
+enum { TG_LIN_F32 = 0, TG_LIN_INT8 = 1, TG_LIN_INT4 = 2, TG_LIN_BF16 = 3 };
+
+/* Rows up to which each thread repeats the row-wise ops on its own copy of the rows. */
+#define TG_DUP_ROWS 16
 
 typedef struct {
     int32_t kind;       /* TG_LIN_* */
     int32_t group;      /* int4 group size (inputs per scale) */
     int64_t n, k;       /* output rows, inputs */
-    const void *w;      /* f32 [n, k] | int8 [n, k] | int4 bytes [n, k / 2] (qlinear.py layouts) */
+    const void *w;      /* f32 [n, k] | int8 [n, k] | int4 bytes [n, k / 2] | bf16 panels (qlinear.py layouts) */
     const void *scale;  /* int8: f16 [n, ceil(k / 32)]; int4: f16 [n, k / group] */
     const void *lo;     /* int4: f16 [n, k / group] */
     const float *bias;  /* [n] or NULL */
@@ -61,14 +70,24 @@ typedef struct {
 
 static int64_t qkv_width(const tg_model_w *m) { return (int64_t)(m->heads + 2 * m->kv_heads) * m->head_dim; }
 
-/* Floats of scratch a step of `batch` tokens needs on `threads` threads (the caller
- * allocates them): shared qkv / att / tmp / gate_up, and per thread a private copy of
- * the residual stream, its norm, the activation and int4 group sums. */
+static int64_t max_in(const tg_model_w *m) { /* the widest matmul input */
+    const int64_t q = (int64_t)m->heads * m->head_dim;
+    return m->inter > m->hidden ? (m->inter > q ? m->inter : q) : (m->hidden > q ? m->hidden : q);
+}
+
+/* Floats per copy of the rows' state: the residual stream, its norm, the activation, and
+ * the rows' bfloat16 copy of a matmul input. */
+static int64_t rows_state(const tg_model_w *m, int64_t batch) {
+    return batch * (2 * (int64_t)m->hidden + m->inter + (max_in(m) + 2) / 2) + 16;
+}
+
+/* Floats of scratch a step of `batch` rows needs on `threads` threads (the caller
+ * allocates them): shared qkv / att / tmp / gate_up; the rows' state, one copy per
+ * thread up to TG_DUP_ROWS rows, else one; per thread the int4 group sums. */
 int64_t tg_decode_step_scratch(const tg_model_w *m, int64_t batch, int64_t threads) {
     const int64_t shared = qkv_width(m) + (int64_t)m->heads * m->head_dim + m->hidden + 2 * (int64_t)m->inter;
-    const int64_t priv = 2 * (int64_t)m->hidden + m->inter
-                         + (2 * (int64_t)m->hidden + m->inter + (int64_t)m->heads * m->head_dim) / 16 + 16;
-    return batch * (shared + threads * priv);
+    const int64_t copies = batch <= TG_DUP_ROWS ? threads : 1;
+    return batch * shared + copies * rows_state(m, batch) + threads * (batch * (max_in(m) / 16 + 1) + 16);
 }
 
 /* Output rows [n0, n1) of one linear for M_all activation rows. */
@@ -99,9 +118,11 @@ static void lin_rows(const tg_lin *L, const float *x, int64_t M_all, const float
 }
 
 /* y [M, n] = x [M, k] W^T (+ bias), output rows split over the threads, then a barrier.
- * Called by every thread of the region; `x` may be the thread's private copy (every
- * copy holds the same values), `xsum` is private scratch. */
-static void lin_par(const tg_lin *L, const float *x, int64_t M, float *xsum, float *y) {
+ * Called by every thread of the region; `x` may be the thread's private copy (`dup`:
+ * every copy holds the same values), `xsum` is private scratch, `xb` the rows' bfloat16
+ * copy (the thread's own with `dup`, else shared: the threads convert a share of the
+ * rows each and meet at a barrier first). */
+static void lin_par(const tg_lin *L, const float *x, int64_t M, float *xsum, uint16_t *xb, int dup, float *y) {
     const int64_t K = L->k, N = L->n;
     if (L->kind == TG_LIN_INT4) { /* per-group sums of x: the lo term (each thread its own) */
         const int64_t G = L->group, ng = K / G;
@@ -112,6 +133,23 @@ static void lin_par(const tg_lin *L, const float *x, int64_t M, float *xsum, flo
             xsum[i] = s;
         }
     }
+    if (L->kind == TG_LIN_BF16) {
+        int64_t a, b;
+        if (dup) {
+            bf16_rows(x, 0, M, K, xb);
+        } else {
+            tg_thread_share(M, &a, &b);
+            bf16_rows(x, a, b, K, xb);
+#pragma omp barrier
+        }
+        tg_thread_share((N + TG_BF16_NR - 1) / TG_BF16_NR, &a, &b);
+        bf16_panels(xb, M, K, (const uint16_t *)L->w, N, a, b, y, N);
+        if (L->bias)
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t n = a * TG_BF16_NR; n < N && n < b * TG_BF16_NR; n++) y[m * N + n] += L->bias[n];
+#pragma omp barrier
+        return;
+    }
 #pragma omp for schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += 16) {
         const int64_t n1 = n0 + 16 < N ? n0 + 16 : N;
@@ -121,6 +159,15 @@ static void lin_par(const tg_lin *L, const float *x, int64_t M, float *xsum, flo
                 for (int64_t n = n0; n < n1; n++) y[m * N + n] += L->bias[n];
     }
 }
+
+/* The row-wise ops over rows [0, B): with `dup` every thread does all rows on its own
+ * copy; else the threads split the rows of the one copy, then meet at a barrier. */
+#define TG_ROWS(B, dup, BODY)                                                            \
+    if (dup) {                                                                           \
+        for (int64_t b = 0; b < (B); b++) BODY;                                          \
+    } else {                                                                             \
+        _Pragma("omp for schedule(static)") for (int64_t b = 0; b < (B); b++) BODY;      \
+    }
 
 /* Rotary embedding of `n` heads of D floats, in place. */
 static void rope_heads(float *v, int n, int D, const float *cos, const float *sin) {
@@ -153,27 +200,50 @@ static void unit(const tg_decode_args *a, const float *cos, const float *sin, in
     attend(a, b, h0, h1);
 }
 
+/* The attention of a step with prefill rows, as units: a run of rows of one sequence at
+ * consecutive positions (a prefill chunk) in blocks of TG_CHUNK_ROWS rows per KV head
+ * (attend_chunk), and every other row per KV head (attend). Returns the count. */
+#define TG_CHUNK_ROWS 16
+typedef struct {
+    int32_t b0, n, h;
+} att_unit;
+
+static int64_t att_units(const tg_decode_args *a, att_unit *out) {
+    int64_t count = 0;
+    const int B = a->batch, chunks = chunk_ok(a);
+    for (int b0 = 0; b0 < B;) {
+        int b1 = b0 + 1;
+        while (chunks && b1 < B && a->rows[b1] == a->rows[b0] && a->ctx[b1] == a->ctx[b1 - 1] + 1) b1++;
+        for (int h = 0; h < a->kv_heads; h++)
+            for (int r = b0; r < b1; r += TG_CHUNK_ROWS)
+                out[count++] = (att_unit){r, b1 - r < TG_CHUNK_ROWS ? b1 - r : TG_CHUNK_ROWS, h};
+        b0 = b1;
+    }
+    return count;
+}
+
 /* Returns 0, or -1 for a shape it does not take (the caller runs the per-op path).
  * A row is one token: a decode, or one token of a prefill chunk, which is a row whose
  * context ends at its own position (ctx = position + 1, the same table row as its
  * chunk's other tokens). Such a row must see the K/V its chunk's earlier rows write in
  * this step, so with `ordered` every row's K/V is stored before any row attends: one
  * more barrier per layer, paid only by steps that carry prefill.
- * Barriers: one after each matmul and one after the attention, five per layer. The
- * small row-wise ops (residual add, RMSNorm, SiLU x up) are done by every thread on its
- * own copy of the rows instead of by one thread between two more barriers: a few
- * microseconds of duplicated arithmetic against a barrier, which costs a whole time
- * slice when a thread of ours is descheduled on a busy machine. */
+ * Barriers: one after each matmul and one after the attention, five per layer. Up to
+ * TG_DUP_ROWS rows the small row-wise ops (residual add, RMSNorm, SiLU x up) are done by
+ * every thread on its own copy of the rows instead of by one thread between two more
+ * barriers: a few microseconds of duplicated arithmetic against a barrier, which costs
+ * a whole time slice when a thread of ours is descheduled on a busy machine. Past it
+ * the rows are split, three more barriers per layer in a step that long. */
 int tg_decode_step(const tg_step_args *s) {
     const tg_model_w *m = s->model;
     const int64_t B = s->batch, H = m->hidden, I = m->inter, D = m->head_dim;
     const int64_t QKV = qkv_width(m), QS = (int64_t)m->heads * D, KVS = (int64_t)m->kv_heads * D;
-    if (B < 1 || B > TG_MAX_BATCH || (int64_t)m->heads * D > 16384 || D % 2 != 0 || m->heads % m->kv_heads ||
+    if (B < 1 || B > TG_MAX_STEP_ROWS || (int64_t)m->heads * D > 16384 || D % 2 != 0 || m->heads % m->kv_heads ||
         s->threads < 1)
         return -1;
+    const int dup = B <= TG_DUP_ROWS;
     float *qkv = s->scratch, *att = qkv + B * QKV, *tmp = att + B * QS, *gu = tmp + B * H;
-    float *priv0 = gu + B * 2 * I;
-    const int64_t priv = B * (2 * H + I + (2 * H + I + QS) / 16 + 16);
+    float *state0 = gu + B * 2 * I, *xsum0 = state0 + (dup ? s->threads : 1) * rows_state(m, B);
     tg_decode_args a = {0};
     a.batch = (int32_t)B;
     a.heads = m->heads;
@@ -195,22 +265,34 @@ int tg_decode_step(const tg_step_args *s) {
     a.out = att;
     a.work = s->work;
     const int KV = m->kv_heads;
+    att_unit *units = s->ordered ? malloc(sizeof(att_unit) * (size_t)(B * KV)) : NULL;
+    if (s->ordered && !units) return -1;
+    const int64_t nunits = units ? att_units(&a, units) : 0;
 #pragma omp parallel num_threads(s->threads)
     {
-        float *x = priv0 + omp_get_thread_num() * priv, *h = x + B * H, *act = h + B * H, *xsum = act + B * I;
+        const int tid = omp_get_thread_num();
+        float *x = state0 + (dup ? tid : 0) * rows_state(m, B), *h = x + B * H, *act = h + B * H;
+        uint16_t *xb = (uint16_t *)(act + B * I);
+        float *xsum = xsum0 + tid * (B * (max_in(m) / 16 + 1) + 16);
         tg_decode_args u = a; /* this thread's view: only the pool pointer changes per layer */
         const int per_seq = B >= omp_get_num_threads();
-        memcpy(x, s->x, sizeof(float) * B * H);
-        for (int64_t b = 0; b < B; b++) rms_row(x + b * H, NULL, m->layers[0].in_norm, h + b * H, H, m->eps);
+        TG_ROWS(B, dup, {
+            memcpy(x + b * H, s->x + b * H, sizeof(float) * H);
+            rms_row(x + b * H, NULL, m->layers[0].in_norm, h + b * H, H, m->eps);
+        })
         for (int l = 0; l < m->num_layers; l++) {
             const tg_layer_w *L = m->layers + l;
-            lin_par(&L->qkv, h, B, xsum, qkv);
+            lin_par(&L->qkv, h, B, xsum, xb, dup, qkv);
             u.pool = s->pool + l * s->layer_stride;
             if (s->ordered) {
 #pragma omp for schedule(static)
                 for (int64_t b = 0; b < B; b++) rope_store(&u, s->cos, s->sin, (int)b, 0, KV);
-#pragma omp for schedule(static)
-                for (int64_t i = 0; i < B * KV; i++) attend(&u, (int)(i % B), (int)(i / B), (int)(i / B) + 1);
+#pragma omp for schedule(dynamic, 1)
+                for (int64_t i = 0; i < nunits; i++) {
+                    const att_unit *w = units + i;
+                    if (w->n > 1 && attend_chunk(&u, w->b0, w->n, w->h) == 0) continue;
+                    for (int r = 0; r < w->n; r++) attend(&u, w->b0 + r, w->h, w->h + 1);
+                }
             } else if (per_seq) {
 #pragma omp for schedule(dynamic, 1)
                 for (int64_t b = 0; b < B; b++) unit(&u, s->cos, s->sin, (int)b, 0, KV);
@@ -219,17 +301,22 @@ int tg_decode_step(const tg_step_args *s) {
                 for (int64_t i = 0; i < B * KV; i++)
                     unit(&u, s->cos, s->sin, (int)(i / KV), (int)(i % KV), (int)(i % KV) + 1);
             }
-            lin_par(&L->o, att, B, xsum, tmp);
-            for (int64_t b = 0; b < B; b++) rms_row(tmp + b * H, x + b * H, L->post_norm, h + b * H, H, m->eps);
-            lin_par(&L->gate_up, h, B, xsum, gu);
-            for (int64_t b = 0; b < B; b++) silu_row(gu + b * 2 * I, act + b * I, I);
-            lin_par(&L->down, act, B, xsum, tmp);
+            lin_par(&L->o, att, B, xsum, xb, dup, tmp);
+            TG_ROWS(B, dup, rms_row(tmp + b * H, x + b * H, L->post_norm, h + b * H, H, m->eps))
+            lin_par(&L->gate_up, h, B, xsum, xb, dup, gu);
+            TG_ROWS(B, dup, silu_row(gu + b * 2 * I, act + b * I, I))
+            lin_par(&L->down, act, B, xsum, xb, dup, tmp);
             const float *next = l + 1 < m->num_layers ? m->layers[l + 1].in_norm : m->final_norm;
-            for (int64_t b = 0; b < B; b++) rms_row(tmp + b * H, x + b * H, next, h + b * H, H, m->eps);
+            TG_ROWS(B, dup, rms_row(tmp + b * H, x + b * H, next, h + b * H, H, m->eps))
         }
-        if (omp_get_thread_num() == 0) memcpy(s->out, h, sizeof(float) * B * H);
+        if (dup) {
+            if (tid == 0) memcpy(s->out, h, sizeof(float) * B * H);
+        } else {
+            TG_ROWS(B, dup, memcpy(s->out + b * H, h + b * H, sizeof(float) * H))
+        }
     }
+    free(units);
     return 0;
 }
 
-int tg_abi_version(void) { return 9; }
+int tg_abi_version(void) { return 10; }

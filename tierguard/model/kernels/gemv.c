@@ -305,15 +305,6 @@ static inline void dq_int4_row(const uint8_t *w, const uint16_t *scale, const ui
 static __thread float *tg_wbuf;
 static __thread int64_t tg_wbuf_len;
 
-static float *widen_buffer(int64_t floats) {
-    if (tg_wbuf_len < floats) {
-        free(tg_wbuf);
-        tg_wbuf = malloc(sizeof(float) * (size_t)floats);
-        tg_wbuf_len = tg_wbuf ? floats : 0;
-    }
-    return tg_wbuf;
-}
-
 /* Returns 0 (done) or -1 (too few rows: TG_MAX_M for int4, fewer than
  * TG_WIDEN_INT8_FROM for int8; or no buffer: the caller takes the few-rows path, which
  * widens in registers). */
@@ -321,7 +312,7 @@ int gemv_widened(const float *x, int64_t M_all, int64_t K, const int8_t *w8, con
                         const uint16_t *scale, const uint16_t *lo, int64_t G, int64_t n0, int64_t n1, float *y,
                         int64_t ldy) {
     if (M_all <= (w8 ? TG_WIDEN_INT8_FROM - 1 : TG_MAX_M)) return -1;
-    float *buf = widen_buffer((n1 - n0) * K);
+    float *buf = tg_thread_buffer(&tg_wbuf, &tg_wbuf_len, (n1 - n0) * K);
     if (!buf) return -1;
     for (int64_t n = n0; n < n1; n++) {
         if (w8)

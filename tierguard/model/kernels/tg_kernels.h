@@ -16,8 +16,12 @@
  *                  tg_dequant_*).
  *   tiles.c        float32 register tiles (4 activation rows x 3 weight rows) for steps of
  *                  more rows than TG_MAX_M (gemm_f32_tiled).
+ *   bf16.c         bfloat16 weights in panels for many activation rows, with
+ *                  AVX512-BF16 dot products where the CPU has them (tg_gemm_bf16).
  *   ops.c          the row-wise ops of a decode layer: RMSNorm with the residual add, and
  *                  SiLU(gate) x up (tg_rms_norm, tg_silu_mul).
+ *   isa.c          what the library was compiled for (tg_isa) and the peak rate of its
+ *                  multiply-add instructions (tg_peak).
  *   decode_step.c  a whole decode step of a Llama layer stack in one OpenMP region, built
  *                  from the families above (tg_decode_step, tg_decode_step_scratch), and
  *                  tg_abi_version.
@@ -84,6 +88,18 @@ static inline float hsum8(v8 x) {
 
 static inline v8 load8(const float *p) { return *(const v8 *)p; }
 
+/* A thread's scratch that grows to the largest request and is kept for the next call:
+ * each caller holds its own __thread pointer and length. Returns NULL (and holds
+ * nothing) when the memory is not there. */
+static inline float *tg_thread_buffer(float **buf, int64_t *len, int64_t floats) {
+    if (*len < floats) {
+        free(*buf);
+        *buf = malloc(sizeof(float) * (size_t)floats);
+        *len = *buf ? floats : 0;
+    }
+    return *buf;
+}
+
 /* Specialised on M so the inner loops over m unroll. */
 #define TG_SPLIT(CALL)                                                                   \
     switch (M) {                                                                         \
@@ -101,6 +117,8 @@ static inline v8 load8(const float *p) { return *(const v8 *)p; }
  * chunks of TG_MAX_M activation rows in turn, so the block is read from memory once and
  * from cache for the later chunks (quantized weights are widened once per chunk). */
 #define TG_MAX_BATCH 64
+/* Rows a fused step takes (decode_step.c): decodes and the tokens of prefill chunks. */
+#define TG_MAX_STEP_ROWS 2048
 #define TG_CHUNKS(CALL)                                                                  \
     for (int64_t m0 = 0; m0 < M_all; m0 += TG_MAX_M) {                                   \
         const int64_t M = M_all - m0 < TG_MAX_M ? M_all - m0 : TG_MAX_M;                 \
@@ -111,6 +129,8 @@ static inline v8 load8(const float *p) { return *(const v8 *)p; }
 /* attention.c */
 TG_INTERNAL void store_heads(const tg_decode_args *a, int b, int h0, int h1);
 TG_INTERNAL void attend(const tg_decode_args *a, int b, int h0, int h1);
+TG_INTERNAL int chunk_ok(const tg_decode_args *a);
+TG_INTERNAL int attend_chunk(const tg_decode_args *a, int b0, int n, int h);
 /* gemv.c */
 TG_INTERNAL void gemv_int8_rows(const float *x, int M, int64_t K, const int8_t *w, const uint16_t *scale, int64_t n0,
                                 int64_t n1, float *y, int64_t ldy);
@@ -125,6 +145,12 @@ TG_INTERNAL int gemv_widened(const float *x, int64_t M_all, int64_t K, const int
 /* tiles.c */
 TG_INTERNAL void gemm_f32_tiled(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *y,
                                 int64_t ldy);
+/* bf16.c: weight rows per panel; the rows' bfloat16 copy; panels [p0, p1) of y */
+#define TG_BF16_NR 32
+TG_INTERNAL void bf16_rows(const float *x, int64_t m0, int64_t m1, int64_t K, uint16_t *xb);
+TG_INTERNAL void bf16_panels(const uint16_t *xb, int64_t M, int64_t K, const uint16_t *w, int64_t N, int64_t p0,
+                             int64_t p1, float *y, int64_t ldy);
+TG_INTERNAL void tg_thread_share(int64_t n, int64_t *a, int64_t *b);
 /* ops.c */
 TG_INTERNAL void rms_row(const float *in, float *res, const float *w, float *o, int64_t dim, float eps);
 TG_INTERNAL void silu_row(const float *g, float *o, int64_t inter);
@@ -143,6 +169,9 @@ void tg_dequant_int4(const uint8_t *w, const uint16_t *scale, const uint16_t *lo
 void tg_rms_norm(const float *x, float *residual, const float *w, float *out, int64_t rows, int64_t dim,
                  float eps);
 void tg_silu_mul(const float *gu, float *out, int64_t rows, int64_t inter);
+int tg_gemm_bf16(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, float *y, int64_t ldy);
+int64_t tg_isa(void);
+double tg_peak(int64_t kind, int64_t iters);
 int tg_abi_version(void);
 
 #endif
