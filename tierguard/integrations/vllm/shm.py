@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from tierguard.common.errors import TierguardError
+from tierguard.kv.media.disk.format import pid_alive
 
 PREFIX = "tierguard-kv-"
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
@@ -31,16 +32,6 @@ _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
 def slab_path(directory: str, engine_id: str, creator_pid: int) -> Path:
     return Path(directory) / f"{PREFIX}{_SAFE.sub('_', engine_id)[:64]}-{creator_pid}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def remove_stale(directory: str) -> int:
@@ -54,7 +45,7 @@ def remove_stale(directory: str) -> int:
         if not name.startswith(PREFIX):
             continue
         pid = name.rpartition("-")[2]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             try:
                 os.unlink(os.path.join(directory, name))
                 removed += 1
