@@ -77,3 +77,16 @@ def test_uncertain_cells_widen_the_range():
     lo, hi = b.to_json()["uncertainty"]["range"]
     assert lo == 4  # 5 passed, but not confidently
     assert hi is not None and hi >= 6  # 6's miss was not confident; 8's was
+
+
+def test_an_uncertain_first_miss_runs_the_next_step_for_the_range_only():
+    """Without bisection (demo --quick) an uncertain miss at 4 would leave the range open
+    above; the next ladder step bounds it, and the boundary still ends at the first miss."""
+    calls: list[int] = []
+    b = search(LADDER, threshold_eval(2, calls, uncertain={4}), bisect=False)
+    assert (b.max_concurrency, b.first_failing) == (2, 4)
+    assert calls == [1, 2, 4, 8]
+    assert b.to_json()["uncertainty"]["range"] == [2, 7]
+    calls.clear()
+    b = search(LADDER, threshold_eval(2, calls), bisect=False)  # a confident miss: nothing more
+    assert calls == [1, 2, 4] and b.to_json()["uncertainty"]["range"] == [2, 3]

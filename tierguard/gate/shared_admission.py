@@ -91,6 +91,7 @@ class SharedAdmission:
         self._held: dict[str, bool] = {}  # lease -> is long; every slot this gate holds
         self._kick = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        self._closing = False  # the loops end at their next turn (a lost cancellation included)
         self._background: set[asyncio.Task] = set()
         self.poll_s = min(0.1, store.lease_ms / 10000)  # backstop for wake-ups pub/sub cannot give (expiry)
         self._set_share(min_gates)
@@ -108,11 +109,15 @@ class SharedAdmission:
                        asyncio.create_task(self._dispatch_loop()), asyncio.create_task(self._touch_loop())]
 
     async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        # A cancellation can be lost when a timeout inside the task fires at the same moment
+        # (Python 3.11's asyncio.timeout turns it into a TimeoutError, which the loops catch):
+        # the loops also stop on `_closing`, and a task still running is cancelled again.
+        self._closing = True
+        pending = set(self._tasks)
+        while pending:
+            for t in pending:
+                t.cancel()
+            _done, pending = await asyncio.wait(pending, timeout=1.0)
         if self._background:  # releases under way: give them a moment, then the leases expire anyway
             await asyncio.wait(list(self._background), timeout=1.0)
         await self.store.close()
@@ -214,7 +219,7 @@ class SharedAdmission:
     async def _dispatch_loop(self) -> None:
         """Ask Redis, head of each local queue first, whether it is their turn; after a wake-up
         (a slot freed anywhere) or every poll_s (a lease expired: nobody publishes that)."""
-        while True:
+        while not self._closing:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.001, min(self.poll_s, self._expiry_due - time.monotonic()))):
                     await self._kick.wait()
@@ -362,13 +367,13 @@ class SharedAdmission:
 
     async def _renew_loop(self) -> None:
         period = self.store.lease_ms / 3000
-        while True:
+        while not self._closing:
             await asyncio.sleep(period if self.up else min(period, 0.5))
             await self._renew_once()
 
     async def _touch_loop(self) -> None:
         """Keep this gate's queue places (they expire sooner than slots: `leases.py`)."""
-        while True:
+        while not self._closing:
             await asyncio.sleep(self.store.waiter_ms / 3000)
             waiters = [lease for queue in self._waiters for lease in queue]
             if not waiters or not self.up:
@@ -380,12 +385,12 @@ class SharedAdmission:
 
     async def _listen(self) -> None:
         """Wake the dispatcher when any gate frees a slot (pub/sub); reconnects after a failure."""
-        while True:
+        while not self._closing:
             pubsub = self.store.sub_client.pubsub()
             try:
                 async with asyncio.timeout(self.store.timeout_s * 5):
                     await pubsub.subscribe(self.store.channel)
-                while True:
+                while not self._closing:
                     if await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0) is not None:
                         self._kick.set()
             except (RedisError, OSError, TimeoutError):

@@ -3,8 +3,10 @@
 Search: step up the ladder until the first failing step, then bisect between the last
 passing concurrency and that first failure until they are adjacent. If the very first
 ladder step already fails and it is above 1, the range below it is bisected too.
-We stop at the first failure and never look above it: a variant that passes again at a
-higher concurrency is still unusable at the one that failed.
+We stop at the first failure and never look above it for the boundary: a variant that
+passes again at a higher concurrency is still unusable at the one that failed. Only when
+that failure is uncertain (its interval straddles the SLO) is the next ladder step run,
+and only for the range: without a confident miss the range would be open above.
 
 Uncertainty has two parts: the bootstrap interval of each p99 at the cells evaluated,
 and a range for the boundary itself: from the highest concurrency whose pass was
@@ -67,11 +69,13 @@ def search(ladder: list[int], evaluate: Callable[[int], CellVerdict], bisect: bo
 
     last_pass: int | None = None
     first_fail: int | None = None
-    for c in ladder:
+    for i, c in enumerate(ladder):
         if run(c).passed:
             last_pass = c
         else:
             first_fail = c
+            if not seen[c].confident and i + 1 < len(ladder):
+                run(ladder[i + 1])  # bounds the range only: an uncertain miss bounds nothing
             break
     if bisect and first_fail is not None:
         lo, first_fail = _bisect(run, last_pass if last_pass is not None else 0, first_fail)  # 0: nothing passed
