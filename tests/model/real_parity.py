@@ -8,6 +8,19 @@ from pathlib import Path
 import pytest
 import torch
 
+# 8 chat prompts x 64 greedy steps: what every real-model parity test compares.
+STEPS = 64
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Give me three tips for staying focused while studying.",
+    "Explain what a CPU cache is in two sentences.",
+    "What is 12 + 30?",
+    "Translate 'good morning' into Spanish and French.",
+    "List the planets of the solar system in order.",
+    "Why is the sky blue?",
+]
+
 
 def hf_from_gguf(path: Path):
     """(tokenizer, float32 model) as transformers builds them from the GGUF file."""

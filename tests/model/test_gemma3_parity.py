@@ -18,24 +18,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.model.real_parity import chat_prompts, greedy_with_logits, hf_from_gguf
+from tests.model.real_parity import PROMPTS, STEPS, chat_prompts, greedy_with_logits, hf_from_gguf
 from tierguard.common.errors import TierguardError
 
 # transformers dequantizes the whole GGUF and rebuilds its tokenizer: minutes on a busy
 # 2-core machine.
 pytestmark = pytest.mark.timeout(1800)
 
-STEPS = 64
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Give me three tips for staying focused while studying.",
-    "Explain what a CPU cache is in two sentences.",
-    "What is 12 + 30?",
-    "Translate 'good morning' into Spanish and French.",
-    "List the planets of the solar system in order.",
-    "Why is the sky blue?",
-]
 TEXTS = [
     "Hello world",
     "  leading spaces,   runs\n\n\nnewlines\ttabs",

@@ -29,20 +29,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.model.real_parity import PROMPTS, STEPS
 from tierguard.common.errors import TierguardError
 from tierguard.model import fused_decode
-
-STEPS = 64
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Give me three tips for staying focused while studying.",
-    "Explain what a CPU cache is in two sentences.",
-    "What is 12 + 30?",
-    "Translate 'good morning' into Spanish and French.",
-    "List the planets of the solar system in order.",
-    "Why is the sky blue?",
-]
 
 
 @pytest.fixture(scope="module")
