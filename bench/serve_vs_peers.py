@@ -65,6 +65,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+import goodput  # noqa: E402
 from serve_vs_transformers import (  # noqa: E402
     READY,
     Server,
@@ -80,9 +81,29 @@ from validity import Validity, count_errors  # noqa: E402
 
 LOG_DIR = Path(tempfile.gettempdir()) / "tierguard_bench_logs"
 TEXTS = ["GPL-3", "Apache-2.0", "MPL-2.0", "LGPL-2.1", "GFDL-1.3", "Artistic"]
-TIERGUARD = {"tierguard-fp32": "auto", "tierguard-int8": "int8", "tierguard-int4": "int4"}
+TIERGUARD = {"tierguard-fp32": "auto", "tierguard-int8": "int8", "tierguard-int4": "int4", "tierguard-bf16": "bf16"}
 PEERS = ("llamacpp-f32", "llamacpp-q8_0", "llamacpp-q4_1", "transformers")
 VLLM = {"vllm-f32-default-threads": ("float32", False), "vllm-f32": ("float32", True), "vllm-bf16": ("bfloat16", True)}
+# --goodput: each engine at the settings a user would tune it with (NAME@LABEL, FLAGS).
+# Ours: weight dtype and --itl-slo-ms. vLLM's: its chunked-prefill token budget and running
+# sequences (its dtype and threads are in the name: bfloat16 on every core).
+GOODPUT = (
+    ("tierguard-int8", ""),
+    ("tierguard-bf16", ""),
+    ("tierguard-bf16@slo30", "--itl-slo-ms 30"),
+    ("tierguard-bf16@slo60", "--itl-slo-ms 60"),
+    ("tierguard-bf16@slo120", "--itl-slo-ms 120"),
+    ("vllm-bf16", ""),
+    ("vllm-bf16@b512", "--max-num-batched-tokens 512"),
+    ("vllm-bf16@b256", "--max-num-batched-tokens 256"),
+    ("vllm-bf16@b128-s16", "--max-num-batched-tokens 128 --max-num-seqs 16"),
+    ("vllm-f32", ""),
+)
+
+
+def base_of(name: str) -> str:
+    """The server a NAME@LABEL variant runs (`tierguard-bf16@slo30` -> `tierguard-bf16`)."""
+    return name.split("@", 1)[0]
 
 
 # -- prompts ---------------------------------------------------------------------------
@@ -200,7 +221,7 @@ def rss_mb(pid: int, children: bool = False) -> float | None:
 def start_tierguard(name: str, args) -> tuple[Server, str, dict]:
     cmd = [sys.executable, "-m", "tierguard", "serve", "--model", "smollm2", "--port", "0", "--dtype", "float32",
            "--served-model-name", "bench", "--threads", str(args.threads), "--max-model-len", "1024",
-           "--kv-cache-gib", str(args.kv_cache_gib), "--weight-dtype", TIERGUARD[name]]
+           "--kv-cache-gib", str(args.kv_cache_gib), "--weight-dtype", TIERGUARD[base_of(name)]]
     extra = args.server_args.get(name, args.tierguard_args)
     cmd += extra.split()
     srv = Server(name, cmd, dict(os.environ))
@@ -304,14 +325,15 @@ def start_vllm(name: str, model_dir: Path, args) -> tuple[object, str, dict]:
 
     if not vllm_peer.installed():
         raise RuntimeError(".venv-vllm is missing (make vllm)")
-    dtype, all_cores = VLLM[name]
+    dtype, all_cores = VLLM[base_of(name)]
+    extra = args.server_args.get(name, "")
     env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(args.kv_cache_gib)))}
     if all_cores:
         env |= {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     srv = vllm_peer.VllmServer(model_dir, LOG_DIR / f"{name}.log", env=env, name="bench",
-                               flags=["--dtype", dtype, "--max-model-len", "1024"])
+                               flags=["--dtype", dtype, "--max-model-len", "1024", *extra.split()])
     srv.wait_ready(args.start_timeout)
-    return srv, srv.url, {"env": env, "dtype": dtype, "ready_s": srv.ready_s,
+    return srv, srv.url, {"env": env, "dtype": dtype, "extra_flags": extra, "ready_s": srv.ready_s,
                           "rss_after_load_mb": rss_mb(srv.proc.pid, children=True)}
 
 
@@ -392,6 +414,28 @@ def gemv_bandwidth(threads: int) -> dict:
         best = min(best, time.perf_counter() - t)
     torch.set_num_threads(old)
     return {"bytes": w.numel() * 4, "best_s": round(best, 5), "gb_s": round(w.numel() * 4 / best / 1e9, 2)}
+
+
+def native_isa() -> list[str] | None:
+    """The instruction sets tierguard's kernels were built with (this CPU's)."""
+    from tierguard.model import native
+
+    return native.isa() if native.library() is not None else None
+
+
+def peaks(threads: int) -> dict:
+    """GOP/s of each multiply-add kind on `threads` threads, best of 3 (kernels/isa.c)."""
+    import torch
+
+    from tierguard.model import native
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return {kind: max((native.peak_ops(kind) or 0.0) for _ in range(3)) / 1e9 or None
+                for kind in native.PEAK_KINDS}
+    finally:
+        torch.set_num_threads(old)
 
 
 # -- the run ---------------------------------------------------------------------------------
@@ -485,8 +529,12 @@ def main() -> int:
     ap.add_argument("--min-first-token", type=float, default=0.75)
     ap.add_argument("--tierguard-args", default="", help="extra flags for every tierguard serve")
     ap.add_argument("--server-args", action="append", default=[], metavar="NAME=FLAGS",
-                    help="flags for one tierguard server instead of --tierguard-args, e.g. "
-                    "tierguard-int8='--itl-slo-ms 28' (repeatable)")
+                    help="flags for one tierguard or vLLM server (for tierguard, instead of --tierguard-args), "
+                    "e.g. tierguard-int8='--itl-slo-ms 28'; NAME@LABEL=FLAGS adds a setting of that server "
+                    "to the run, e.g. vllm-bf16@b256='--max-num-batched-tokens 256' (repeatable)")
+    ap.add_argument("--goodput", action="store_true",
+                    help="run the goodput settings (GOODPUT: ours and vLLM's, each tuned by its own knobs) "
+                    "instead of --servers")
     ap.add_argument("--llamacpp-python", default=None, help="interpreter with llama-cpp-python[server]")
     ap.add_argument("--no-install", action="store_true", help="skip llama.cpp instead of installing it")
     ap.add_argument("--gguf-dir", default=str(Path(tempfile.gettempdir()) / "tierguard_bench_gguf"))
@@ -494,12 +542,19 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.level_list = [int(x) for x in args.levels.split(",")]
+    wanted = args.servers.split(",")
     per_server = {}
+    if args.goodput:
+        wanted = [name for name, _ in GOODPUT]
+        per_server = {name: flags for name, flags in GOODPUT if flags}
     for item in args.server_args:
         name, sep, flags = item.partition("=")
-        if not sep or name not in TIERGUARD:
-            ap.error(f"--server-args {item!r}: want NAME=FLAGS with NAME one of {', '.join(TIERGUARD)}")
+        if not sep or base_of(name) not in {**TIERGUARD, **VLLM}:
+            ap.error(f"--server-args {item!r}: want NAME=FLAGS or NAME@LABEL=FLAGS with NAME one of "
+                     f"{', '.join([*TIERGUARD, *VLLM])}")
         per_server[name] = flags
+        if name not in wanted and "@" in name:
+            wanted.append(name)
     args.server_args = per_server
     args.llamacpp_skip = None
     from tierguard.model.registry import resolve_model
@@ -525,10 +580,11 @@ def main() -> int:
         "cpus": os.cpu_count(),
         "levels": args.level_list,
         "gemv_bandwidth": gemv_bandwidth(args.threads),
+        "isa": native_isa(),
+        "peak_gops": peaks(args.threads),
         "servers": {},
         "skipped": {},
     }
-    wanted = args.servers.split(",")
     llama_py = llamacpp_python(args) if any(s.startswith("llamacpp") for s in wanted) else None
     args.llamacpp_python = llama_py
     ggufs = gguf_files(args) if llama_py else {}
@@ -538,14 +594,14 @@ def main() -> int:
         bodies = {w: [body(name, model_id, p, n) for p in ps]
                   for w, ps, n in (("main", prompts, args.output_tokens), ("warm", prompts[-4:], 8),
                                    ("agree", agree_prompts, args.agree_tokens))}
-        if name in TIERGUARD:
+        if base_of(name) in TIERGUARD:
             start = lambda name=name: start_tierguard(name, args)  # noqa: E731
         elif kind == "llamacpp":
             if llama_py is None:
                 report["skipped"][name] = args.llamacpp_skip
                 continue
             start = lambda name=name: start_llamacpp(name, ggufs[name], args)  # noqa: E731
-        elif name in VLLM:
+        elif base_of(name) in VLLM:
             start = lambda name=name: start_vllm(name, model_dir, args)  # noqa: E731
         elif name == "transformers":
             start = lambda: start_transformers(model_dir, args)  # noqa: E731
@@ -559,6 +615,11 @@ def main() -> int:
     if fp32.get("weight_bytes"):
         report["weight_read_ms"] = round(fp32["weight_bytes"] / (report["gemv_bandwidth"]["gb_s"] * 1e9) * 1000, 2)
     report["targets"] = targets(report)
+    report["goodput"] = goodput.table(report["servers"])
+    report["goodput_targets"] = goodput.targets(report["servers"], report["goodput"])
+    peak_ops = {k: v * 1e9 for k, v in report["peak_gops"].items() if v}
+    report["peak_fraction"] = goodput.peak_rows(report["servers"], peak_ops, goodput.flops_per_token(model_dir),
+                                                args.prompt_tokens)
     report["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
     text = json.dumps(report, indent=2)
     print(text)

@@ -87,6 +87,13 @@ MUTANTS = [
          "tests/gate/test_admission.py::test_queue_then_fifo_handover"),
     ),
     Mutant(
+        "goodput: a quantized setting counts below its quality bar",
+        "bench/goodput.py",
+        "    return agree is not None and agree >= need",
+        "    return True",
+        ("tests/bench/test_goodput.py::test_a_quantized_setting_below_its_quality_bar_counts_nowhere",),
+    ),
+    Mutant(
         "plan: K and V counted once",
         "tierguard/plan/kv.py",
         "return 2 * fmt.bytes_for(width) + 2 * heads * fmt.scale_bytes_per_token_head",
@@ -294,7 +301,7 @@ _IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")  # no 
 
 
 def _copy_tree(dest: Path) -> Path:
-    for name in ("tierguard", "tests"):
+    for name in ("tierguard", "tests", "bench"):
         shutil.copytree(ROOT / name, dest / name, ignore=_IGNORE)
     shutil.copy2(ROOT / "pyproject.toml", dest / "pyproject.toml")
     return dest
