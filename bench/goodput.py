@@ -7,8 +7,12 @@ serve_vs_peers report (name -> {"server", "agreement", "levels"}) and only reads
 
 - `table`: per concurrency and p99-gap bound, each engine's highest output tok/s over
   its settings whose p99 inter-token gap stayed under the bound. A level counts only
-  when it is valid and the server's greedy text passes the quality bar of its weights
-  (`MIN_AGREEMENT`: a quantized row cannot buy speed with wrong tokens).
+  when it is valid and its weights pass their quality bar (`MIN_AGREEMENT`: a quantized
+  row cannot buy speed with wrong tokens). For tierguard the bar is on the teacher-forced
+  top-1 agreement with float32 of its weight format (`quality`: bench/weight_quant_quality.py
+  in the same run, the same code and weights the server runs); for another engine, on its
+  greedy text's agreement with the float32 reference (stricter: one early divergence
+  costs the rest of the answer).
 - `targets`: tierguard >= vLLM in every goodput cell (a cell vLLM cannot reach at any
   setting is ours when we reach it); raw C=32 tok/s without an SLO >= vLLM's best raw
   setting, with our p99 gap <= 4 x our own C=1 ITL; C=1 ITL <= 0.6 x vLLM's best;
@@ -41,11 +45,14 @@ def weights_of(name: str) -> str:
     return name.split("@", 1)[0].rsplit("-", 1)[-1]
 
 
-def quality_ok(name: str, result: dict) -> bool:
+def quality_ok(name: str, result: dict, quality: dict | None = None) -> bool:
     need = MIN_AGREEMENT.get(weights_of(name))
     if need is None:
         return True
-    agree = (result.get("agreement") or {}).get("agreement")
+    if engine_of(name) == "tierguard":
+        agree = ((quality or {}).get(weights_of(name)) or {}).get("agreement")
+    else:
+        agree = (result.get("agreement") or {}).get("agreement")
     return agree is not None and agree >= need
 
 
@@ -54,7 +61,7 @@ def _level(result: dict, c: int) -> dict | None:
     return lv if lv and lv.get("valid") and lv.get("itl_p99_ms") is not None else None
 
 
-def table(servers: dict, bounds=BOUNDS_MS, levels=GOODPUT_LEVELS) -> dict:
+def table(servers: dict, quality: dict | None = None, bounds=BOUNDS_MS, levels=GOODPUT_LEVELS) -> dict:
     """{"c8_p99_le_50ms": {engine: {"server", "output_tok_s", "itl_p99_ms"}}, ...}; an engine
     missing from a cell reached that bound at none of its settings."""
     out: dict = {}
@@ -63,7 +70,7 @@ def table(servers: dict, bounds=BOUNDS_MS, levels=GOODPUT_LEVELS) -> dict:
             cell: dict = {}
             for name, res in servers.items():
                 lv = _level(res, c)
-                if lv is None or lv["itl_p99_ms"] > bound or not quality_ok(name, res):
+                if lv is None or lv["itl_p99_ms"] > bound or not quality_ok(name, res, quality):
                     continue
                 best = cell.get(engine_of(name))
                 if best is None or lv["output_tok_s"] > best["output_tok_s"]:
@@ -73,13 +80,13 @@ def table(servers: dict, bounds=BOUNDS_MS, levels=GOODPUT_LEVELS) -> dict:
     return out
 
 
-def _raw(servers: dict, engine: str, c: int) -> tuple[str, dict] | tuple[None, None]:
+def _raw(servers: dict, engine: str, c: int, quality: dict | None) -> tuple[str, dict] | tuple[None, None]:
     """The engine's setting with the most output tok/s at `c` among those without an SLO."""
     best = (None, None)
     for name, res in servers.items():
         lv = _level(res, c)
         slo = "--itl-slo-ms" in (res.get("server", {}).get("extra_flags") or "")
-        if engine_of(name) != engine or lv is None or slo or not quality_ok(name, res):
+        if engine_of(name) != engine or lv is None or slo or not quality_ok(name, res, quality):
             continue
         if best[1] is None or lv["output_tok_s"] > best[1]["output_tok_s"]:
             best = (name, lv)
@@ -90,7 +97,7 @@ def _ratio(a, b):
     return round(a / b, 3) if a is not None and b else None
 
 
-def targets(servers: dict, goodput: dict) -> dict:
+def targets(servers: dict, goodput: dict, quality: dict | None = None) -> dict:
     """True/False per goal, None where a side is missing (no valid level to compare)."""
     out: dict = {"goodput_cells": {}}
     for key, cell in goodput.items():
@@ -100,8 +107,8 @@ def targets(servers: dict, goodput: dict) -> dict:
                                                            ours["output_tok_s"] >= theirs["output_tok_s"]))
     cells = out["goodput_cells"].values()
     out["tierguard_ge_vllm_every_goodput_cell"] = None if None in cells else all(cells)
-    ours_name, ours = _raw(servers, "tierguard", 32)
-    theirs_name, theirs = _raw(servers, "vllm", 32)
+    ours_name, ours = _raw(servers, "tierguard", 32, quality)
+    theirs_name, theirs = _raw(servers, "vllm", 32, quality)
     out["raw_c32"] = {"tierguard": ours_name, "vllm": theirs_name,
                       "tok_s_ratio": _ratio(ours and ours["output_tok_s"], theirs and theirs["output_tok_s"]),
                       "ttft_p50_ratio": _ratio(ours and ours["ttft_p50_ms"], theirs and theirs["ttft_p50_ms"])}
@@ -115,7 +122,8 @@ def targets(servers: dict, goodput: dict) -> dict:
     out["raw_c32_p99_gap_le_4x_own_c1_itl"] = None if r is None else r <= 4.0
 
     def best_c1(engine: str) -> float | None:
-        itls = [lv["itl_p50_ms"] for n, res in servers.items() if engine_of(n) == engine and quality_ok(n, res)
+        itls = [lv["itl_p50_ms"] for n, res in servers.items()
+                if engine_of(n) == engine and quality_ok(n, res, quality)
                 for lv in [_level(res, 1)] if lv]
         return min(itls) if itls else None
 

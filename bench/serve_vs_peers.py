@@ -44,6 +44,9 @@ bench/goodput.py turns them into the goodput table (per C=8/32 and p99-gap bound
 50/100/200 ms, each engine's best tok/s under the bound), the raw C=32, batch-1 and
 TTFT goals against vLLM, and each level's FLOP/s as a fraction of the peak measured in
 this process before the servers run (`peak_gops`, with the instruction sets in `isa`).
+A quantized tierguard setting counts only at its weight format's quality bar, measured
+first in the same run (`weight_quality`: bench/weight_quant_quality.py's teacher-forced
+top-1 agreement with float32).
 
 Targets against the other peers, each true/false, or null when a side is missing or
 invalid:
@@ -426,6 +429,23 @@ def gemv_bandwidth(threads: int) -> dict:
     return {"bytes": w.numel() * 4, "best_s": round(best, 5), "gb_s": round(w.numel() * 4 / best / 1e9, 2)}
 
 
+def weight_quality(names: list[str], threads: int) -> dict:
+    """Teacher-forced top-1 agreement with float32 of each quantized tierguard weight format
+    among `names` (bench/weight_quant_quality.py: the same engine code and weights the
+    servers run, on real text), the bar goodput.py holds their levels to."""
+    kinds = sorted({goodput.weights_of(n) for n in names if n.startswith("tierguard")} & {"bf16", "int8", "int4"})
+    if not kinds:
+        return {}
+    cmd = [sys.executable, str(ROOT / "bench" / "weight_quant_quality.py"), "--model", "smollm2",
+           "--weight-dtype", ",".join(kinds), "--threads", str(threads)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"error": proc.stderr.strip()[-400:]}
+    rep = json.loads(proc.stdout)
+    return {k: {"agreement": rep[k]["agreement"], "perplexity_vs_float32": rep[k]["perplexity_vs_float32"]}
+            for k in kinds if k in rep}
+
+
 def native_isa() -> list[str] | None:
     """The instruction sets tierguard's kernels were built with (this CPU's)."""
     from tierguard.model import native
@@ -592,6 +612,7 @@ def main() -> int:
         "gemv_bandwidth": gemv_bandwidth(args.threads),
         "isa": native_isa(),
         "peak_gops": peaks(args.threads),
+        "weight_quality": weight_quality(wanted, args.threads),
         "servers": {},
         "skipped": {},
     }
@@ -625,8 +646,8 @@ def main() -> int:
     if fp32.get("weight_bytes"):
         report["weight_read_ms"] = round(fp32["weight_bytes"] / (report["gemv_bandwidth"]["gb_s"] * 1e9) * 1000, 2)
     report["targets"] = targets(report)
-    report["goodput"] = goodput.table(report["servers"])
-    report["goodput_targets"] = goodput.targets(report["servers"], report["goodput"])
+    report["goodput"] = goodput.table(report["servers"], report["weight_quality"])
+    report["goodput_targets"] = goodput.targets(report["servers"], report["goodput"], report["weight_quality"])
     peak_ops = {k: v * 1e9 for k, v in report["peak_gops"].items() if v}
     report["peak_fraction"] = goodput.peak_rows(report["servers"], peak_ops, goodput.flops_per_token(model_dir),
                                                 args.prompt_tokens)
