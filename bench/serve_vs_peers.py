@@ -110,6 +110,7 @@ GOODPUT = (
     ("vllm-bf16@b512", "--max-num-batched-tokens 512"),
     ("vllm-bf16@b256", "--max-num-batched-tokens 256"),
     ("vllm-bf16@b128-s16", "--max-num-batched-tokens 128 --max-num-seqs 16"),
+    ("vllm-bf16@b64-s8", "--max-num-batched-tokens 64 --max-num-seqs 8"),
     ("vllm-f32", ""),
 )
 
