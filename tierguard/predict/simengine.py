@@ -15,7 +15,8 @@ the prediction with no change here. What is replaced, and by what:
                           (LRU), no bytes
     host slab             the real HostTier, one byte per slot (its bookkeeping is real)
     naive disk            SimNaiveDisk: a page-out or page-in blocks the step (the clock
-                          moves) for the measured per-block time
+                          moves) for the measured per-block time; a block already on
+                          disk is not written again (the measured repeat spill)
     tokenizer             one character per token (no stop strings, no held text)
 
 The simulated clock only moves when something takes time: a step's compute, an idle
@@ -270,7 +271,10 @@ class SimNaiveDisk:
         self.disk = _NaiveDiskStats(self)
 
     def spill(self, block_hash: int, device_block: int) -> bool:
-        t = self.cost.route("naive_spill").seconds(1) * self.scale
+        """A block the spill tier holds already is not written again (the disk tier's
+        index names the bytes): it costs the measured repeat spill."""
+        route = "naive_respill" if block_hash in self.stored else "naive_spill"
+        t = self.cost.route(route).seconds(1) * self.scale
         self.clock.sleep(t)
         self.stored.add(block_hash)
         self.counters.spills += 1
