@@ -1,13 +1,73 @@
-"""The model's calibrated terms beyond the step cost: the naive pager's repeat spill
+"""The model's calibrated terms beyond the step cost: the per-token delivery latency
+(its spread reaches the simulated inter-token p99) and the naive pager's repeat spill
 (a block already on disk is not written again)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
+from tierguard.bench.records import OK, RequestRecord
+from tierguard.engine.config import EngineConfig
 from tierguard.kv.spec import KVLayout
+from tierguard.model.config import ModelConfig
+from tierguard.predict.calibrate import Calibration, ProbePlan, ProbeRun, client_timing
+from tierguard.predict.driver import ClientTiming
 from tierguard.predict.media import ROUTES, MediaCost, RouteCost, measure_media
-from tierguard.predict.simengine import SimClock, SimNaiveDisk
+from tierguard.predict.predictor import VariantModel, simulation
+from tierguard.predict.simengine import EngineSpec, SimClock, SimNaiveDisk
+from tierguard.predict.workload import cell_workload
+from tierguard.sweep.cells import CellSpec
+from tierguard.sweep.matrix import parse_matrix
+
+from .conftest import pinned_cost
+
+
+def test_delivery_is_measured_from_the_step_that_made_the_token():
+    # steps end at 10.01, 10.02, 10.03, each sampling one token; the client saw the first
+    # token 15 ms late, after the second step had ended too
+    steps = [{"started": 10.0 + 0.01 * i, "duration": 0.01, "sampled": 1} for i in range(3)]
+    rec = RequestRecord(0, sent_s=-0.005, scheduled_s=-0.005, chunk_times_s=[0.025, 0.026, 0.032],
+                        chunk_tokens=[1, 1, 1], status=OK)
+    t = client_timing(steps, [ProbeRun("single", 16, 1, 10.0, 9.995, 10.04, [rec])])
+    assert t.deliver_samples_s == pytest.approx([0.002, 0.006, 0.015])
+    assert t.deliver_s == pytest.approx(0.006)
+    assert ClientTiming.from_json(t.to_json()).deliver_samples_s == pytest.approx(t.deliver_samples_s)
+
+
+def one_stream_model(client: ClientTiming) -> tuple[VariantModel, object]:
+    m = parse_matrix({
+        "name": "noise",
+        "variants": [{"name": "x", "command": "{python} -m tierguard serve --model tiny --port {port}"}],
+        "profile": {"context_lengths": [32], "output_len": 64, "num_requests": 12, "min_rounds": 1},
+        "slices": {"ladder": [1], "bisect": False},
+        "slo": {"p99_ttft_ms": 10000, "p99_itl_ms": 100},
+        "uncertainty": {"bootstrap": 0},
+    })
+    cfg = EngineConfig(num_blocks=4096, block_size=16, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256)
+    mc = ModelConfig("LlamaForCausalLM", 512, 64, 128, 2, 4, 2, 16, 512)
+    spec = EngineSpec(cfg, mc, KVLayout(2, 2, 16, 16, "float32"), "x")
+    cal = Calibration("tierguard", "t", pinned_cost(decode_ms=(1.0, 0.0, 0.0)), client, ProbePlan([32], 32, [2], 64))
+    return VariantModel("x", spec, cal), m
+
+
+def itl_percentiles(client: ClientTiming) -> tuple[float, float]:
+    vm, m = one_stream_model(client)
+    sim = simulation(vm, 1.0, 7)
+    recs = sim.run(cell_workload(m, CellSpec("ladder", 32, 1), vm.spec.model_config.vocab_size))
+    itl = np.concatenate([r.itl_samples_ms() for r in recs])
+    return float(np.percentile(itl, 50)), float(np.percentile(itl, 99))
+
+
+def test_calibrated_delivery_noise_raises_the_itl_p99_and_keeps_its_median():
+    # one stream, 1 ms steps: every gap is the step unless delivery varies. Measured
+    # deliveries: mostly 0.1 ms, one in twenty-five 3 ms late (the event loop, the OS)
+    samples = [0.0001] * 96 + [0.003] * 4
+    p50_flat, p99_flat = itl_percentiles(ClientTiming(0.001, 0.0001))
+    p50_noisy, p99_noisy = itl_percentiles(ClientTiming(0.001, 0.0001, samples))
+    assert p99_flat == pytest.approx(1.0, abs=0.01)
+    assert p99_noisy > 2.5  # a late token's gap is the step plus the lateness
+    assert p50_noisy == pytest.approx(p50_flat, rel=0.05)
 
 
 def media(spill_ms: float, respill_ms: float, restore_ms: float) -> MediaCost:
