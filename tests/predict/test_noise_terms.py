@@ -87,6 +87,19 @@ def test_naive_repeat_spill_of_a_block_on_disk_costs_the_measured_repeat():
     assert disk.counters.spills == 3 and disk.counters.restores == 1
 
 
+def test_naive_spill_tier_evicts_least_recently_used_blocks_at_its_budget():
+    disk = SimNaiveDisk(SimClock(), media(4.0, 0.5, 2.0), None, 1.0, capacity_blocks=2)
+    for h in (1, 2, 3):  # 1 is evicted
+        assert disk.spill(h, 0)
+    assert not disk.restore(1, 0) and disk.restore(2, 0)  # reading 2 makes 3 the oldest
+    assert disk.spill(4, 0) and not disk.restore(3, 0)
+    before = disk.clock.now
+    assert disk.spill(2, 0)  # a repeat: nothing written, nothing evicted, not moved up
+    assert (disk.clock.now - before) * 1e3 == pytest.approx(0.5)
+    assert disk.spill(5, 0) and not disk.restore(2, 0) and disk.restore(4, 0)
+    assert disk.counters.restore_misses == 3
+
+
 def test_a_calibration_without_a_repeat_spill_charges_the_first_spills_time():
     m = media(4.0, 0.5, 2.0)
     del m.routes["naive_respill"]
