@@ -30,9 +30,11 @@ def test_delivery_is_measured_from_the_step_that_made_the_token():
     rec = RequestRecord(0, sent_s=-0.005, scheduled_s=-0.005, chunk_times_s=[0.025, 0.026, 0.032],
                         chunk_tokens=[1, 1, 1], status=OK)
     t = client_timing(steps, [ProbeRun("single", 16, 1, 10.0, 9.995, 10.04, [rec])])
-    assert t.deliver_samples_s == pytest.approx([0.002, 0.006, 0.015])
-    assert t.deliver_s == pytest.approx(0.006)
-    assert ClientTiming.from_json(t.to_json()).deliver_samples_s == pytest.approx(t.deliver_samples_s)
+    assert t.first_deliver_s == pytest.approx(0.015)  # the first token: TTFT's, kept apart
+    assert t.deliver_samples_s == pytest.approx([0.002, 0.006])
+    assert t.deliver_s == pytest.approx(0.004)
+    back = ClientTiming.from_json(t.to_json())
+    assert back.deliver_samples_s == pytest.approx(t.deliver_samples_s) and back.first_deliver_s == pytest.approx(0.015)
 
 
 def one_stream_model(client: ClientTiming) -> tuple[VariantModel, object]:
@@ -51,12 +53,23 @@ def one_stream_model(client: ClientTiming) -> tuple[VariantModel, object]:
     return VariantModel("x", spec, cal), m
 
 
-def itl_percentiles(client: ClientTiming) -> tuple[float, float]:
+def one_stream_records(client: ClientTiming) -> list[RequestRecord]:
     vm, m = one_stream_model(client)
     sim = simulation(vm, 1.0, 7)
-    recs = sim.run(cell_workload(m, CellSpec("ladder", 32, 1), vm.spec.model_config.vocab_size))
-    itl = np.concatenate([r.itl_samples_ms() for r in recs])
+    return sim.run(cell_workload(m, CellSpec("ladder", 32, 1), vm.spec.model_config.vocab_size))
+
+
+def itl_percentiles(client: ClientTiming) -> tuple[float, float]:
+    itl = np.concatenate([r.itl_samples_ms() for r in one_stream_records(client)])
     return float(np.percentile(itl, 50)), float(np.percentile(itl, 99))
+
+
+def test_a_first_token_takes_the_first_tokens_delivery():
+    flat = one_stream_records(ClientTiming(0.001, 0.0001))
+    first = one_stream_records(ClientTiming(0.001, 0.0001, [], first_deliver_s=0.005))
+    for a, b in zip(flat, first, strict=True):
+        assert b.ttft_ms - a.ttft_ms == pytest.approx(4.9, abs=0.01)
+    assert np.percentile(np.concatenate([r.itl_samples_ms() for r in first]), 99) < 1.01
 
 
 def test_calibrated_delivery_noise_raises_the_itl_p99_and_keeps_its_median():

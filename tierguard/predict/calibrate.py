@@ -253,26 +253,30 @@ def fit_step_log(header: dict, steps: list[dict], runs: list[ProbeRun]) -> tuple
 
 def client_timing(steps: list[dict], singles: list[ProbeRun]) -> ClientTiming:
     """Send: from the client's send to the next step's start. Deliver: from the end of the
-    step that produced a token to the token's arrival, per token. A single request runs
+    step that produced a token to the token's arrival, per token (a request's first
+    apart: it goes out with the response's headers). A single request runs
     alone, so its tokens are the sampled rows of the steps between its send and its last
     token, in order; a record whose count does not match (a step log with gaps) falls
     back to the last step that ended before each arrival, which can only under-count a
     late delivery."""
     starts = np.array([s["started"] for s in steps])
     ends = np.sort(np.array([s["started"] + s["duration"] for s in steps]))
-    send, deliver = [], []
+    send, first, deliver = [], [], []
     for run in singles:
         for r in run.records:
             sent = run.t0 + (r.sent_s or r.scheduled_s)
             i = int(np.searchsorted(starts, sent))
             if i < len(starts):
                 send.append(starts[i] - sent)
-            deliver += token_deliveries(steps, ends, run.t0, sent, r)
+            d = token_deliveries(steps, ends, run.t0, sent, r)
+            first += d[:1]
+            deliver += d[1:]
     samples = sorted(deliver)
     if len(samples) > MAX_DELIVER_SAMPLES:
         samples = sorted(np.random.default_rng(0).choice(samples, MAX_DELIVER_SAMPLES, replace=False).tolist())
-    return ClientTiming(statistics.median(send) if send else 0.0, statistics.median(deliver) if deliver else 0.0,
-                        [round(float(x), 7) for x in samples])
+    return ClientTiming(statistics.median(send) if send else 0.0,
+                        statistics.median(deliver or first) if deliver or first else 0.0,
+                        [round(float(x), 7) for x in samples], statistics.median(first) if first else None)
 
 
 def token_deliveries(steps: list[dict], ends: np.ndarray, t0: float, sent: float, rec) -> list[float]:

@@ -9,8 +9,9 @@ It plays what a served engine and the bench client do, in the order they do it:
             spend `gap` on the work between steps; with nothing to do, wait for the
             next arrival
     client  a token produced by a step is seen a delivery latency after the step ends
-            (a draw from the calibrated per-token distribution, never before the
-            request's previous token); the last one ends the request and frees its slot
+            (a request's first: the calibrated median; every later one: a draw from the
+            calibrated distribution, never before the request's previous token); the
+            last one ends the request and frees its slot
 
 and records every request as the bench does (`RequestRecord`: scheduled, sent, first
 token, each chunk, end), so the sweep's own code judges a simulated cell. A request
@@ -46,28 +47,35 @@ class ClientTiming:
 
     `deliver_samples_s` is the measured distribution of the time from the end of the
     step that produced a token to the client having it (the event loop, the SSE write,
-    the client's read, the operating system's scheduling of all three). A simulated
-    token draws one, so that noise reaches the predicted inter-token p99 (at one stream
-    on a small model it is most of it); without samples every token takes `deliver_s`.
+    the client's read, the operating system's scheduling of all three), for every token
+    but a request's first. A simulated token draws one, so that noise reaches the
+    predicted inter-token p99 (at one stream on a small model it is most of it); without
+    samples every token takes `deliver_s`. A first token goes out with the response's
+    headers and first event: it takes `first_deliver_s` (their median) when measured.
     """
 
     send_s: float = 0.0  # the client sends -> the engine has the request
     deliver_s: float = 0.0  # a step ends -> the client has its tokens (median)
     deliver_samples_s: list[float] = field(default_factory=list)
+    first_deliver_s: float | None = None
 
-    def deliver(self, rng: np.random.Generator | None) -> float:
+    def deliver(self, rng: np.random.Generator | None, first: bool = False) -> float:
+        if first and self.first_deliver_s is not None:
+            return self.first_deliver_s
         if rng is None or not self.deliver_samples_s:
             return self.deliver_s
         return self.deliver_samples_s[int(rng.integers(len(self.deliver_samples_s)))]
 
     def to_json(self) -> dict:
         return {"send_ms": self.send_s * 1e3, "deliver_ms": self.deliver_s * 1e3,
+                "first_deliver_ms": None if self.first_deliver_s is None else self.first_deliver_s * 1e3,
                 "deliver_samples_ms": [round(x * 1e3, 4) for x in self.deliver_samples_s]}
 
     @classmethod
     def from_json(cls, d: dict) -> ClientTiming:
+        first = d.get("first_deliver_ms")
         return cls(d.get("send_ms", 0.0) / 1e3, d.get("deliver_ms", 0.0) / 1e3,
-                   [x / 1e3 for x in d.get("deliver_samples_ms", [])])
+                   [x / 1e3 for x in d.get("deliver_samples_ms", [])], None if first is None else first / 1e3)
 
 
 class Simulation:
@@ -220,7 +228,8 @@ class Simulation:
                     rec = records.get(out.request_id)
                     if rec is None or rec.end_s is not None:
                         continue
-                    at = max(ended + client.deliver(self.rng), t0 + (rec.chunk_times_s[-1] if rec.chunk_times_s else 0))
+                    last = rec.chunk_times_s[-1] if rec.chunk_times_s else 0.0
+                    at = max(ended + client.deliver(self.rng, first=not rec.chunk_times_s), t0 + last)
                     if out.new_token_ids:
                         t = at - t0
                         if rec.first_token_s is None:
