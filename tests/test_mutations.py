@@ -270,6 +270,20 @@ MUTANTS = [
         ("tests/predict/test_sim_equivalence.py::test_simulated_engine_decides_as_the_real_one[target-itl]",),
     ),
     Mutant(
+        "predict: a naive repeat spill charged as a new file write (the naive p99 ITL doubles)",
+        "tierguard/predict/simengine.py",
+        'self.cost.route("naive_respill" if known else "naive_spill")',
+        'self.cost.route("naive_spill")',
+        ("tests/predict/test_noise_terms.py::test_naive_repeat_spill_of_a_block_on_disk_costs_the_measured_repeat",),
+    ),
+    Mutant(
+        "predict: every token takes the median delivery (no delivery noise in the ITL p99)",
+        "tierguard/predict/driver.py",
+        "if rng is None or not self.deliver_samples_s:",
+        "if True:",
+        ("tests/predict/test_noise_terms.py::test_calibrated_delivery_noise_raises_the_itl_p99_and_keeps_its_median",),
+    ),
+    Mutant(
         "bf16 kernel: activations truncated to bfloat16, not rounded to nearest",
         C_KERNELS,
         "u += 0x7fffu + ((u >> 16) & 1u);",

@@ -19,6 +19,7 @@ from tierguard.predict.calibrate import Cache, Calibration, ProbePlan, digest, m
 from tierguard.predict.driver import ClientTiming
 from tierguard.predict.engines import classify, compute_probe_argv
 from tierguard.predict.media import ROUTES, MediaCost, RouteCost
+from tierguard.predict.predictor import media_key
 from tierguard.sweep.matrix import load_matrix
 
 from .conftest import pinned_cost
@@ -67,13 +68,14 @@ def seed_cache(matrix_path: Path, cache_dir: Path, run_dir: Path) -> None:
         key = digest({"argv": compute_probe_argv(cmd), "env": cmd.env, "plan": plan.to_json(), "machine": machine_id()})
         cal = Calibration("tierguard", key, pinned_cost(gap_ms=(0.2, 0.02)), ClientTiming(0.002, 0.001), plan, 0.1)
         cache.put("tierguard", key, cal.to_json())
-    # media: the naive baseline's page-out costs 4 ms a block, its read 2 ms
+    # media: the naive baseline's page-out costs 4 ms a block (1 ms for a block already on
+    # disk), its read 2 ms
     media = MediaCost({r: RouteCost(0.0002, 0.0005) for r in ROUTES}, layout.block_bytes)
     media.routes["naive_spill"], media.routes["naive_restore"] = RouteCost(0.0, 0.004), RouteCost(0.0, 0.002)
+    media.routes["naive_respill"] = RouteCost(0.0, 0.001)
     scratch = run_dir / "naive-sync-disk" / "calibration"
     scratch.mkdir(parents=True)
-    cache.put("media", digest({"layout": layout.__dict__, "dev": scratch.stat().st_dev, "machine": machine_id()}),
-              {"media": media.to_json()})
+    cache.put("media", media_key(layout, scratch), {"media": media.to_json()})
 
 
 @pytest.fixture

@@ -57,7 +57,8 @@ from tierguard.sweep.matrix import Matrix, Variant
 Log = Callable[[str], None]
 BAND_FLOOR = 0.05  # the smallest uncertainty band: +-5 % on every cost
 BAND_CEILING = 0.5
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2
+MAX_DELIVER_SAMPLES = 1000  # per-token delivery latencies kept (a random subsample beyond)
 
 
 def default_cache_dir() -> Path:
@@ -251,20 +252,54 @@ def fit_step_log(header: dict, steps: list[dict], runs: list[ProbeRun]) -> tuple
 
 
 def client_timing(steps: list[dict], singles: list[ProbeRun]) -> ClientTiming:
+    """Send: from the client's send to the next step's start. Deliver: from the end of the
+    step that produced a token to the token's arrival, per token (a request's first
+    apart: it goes out with the response's headers). A single request runs
+    alone, so its tokens are the sampled rows of the steps between its send and its last
+    token, in order; a record whose count does not match (a step log with gaps) falls
+    back to the last step that ended before each arrival, which can only under-count a
+    late delivery."""
     starts = np.array([s["started"] for s in steps])
     ends = np.sort(np.array([s["started"] + s["duration"] for s in steps]))
-    send, deliver = [], []
+    send, first, deliver = [], [], []
     for run in singles:
         for r in run.records:
             sent = run.t0 + (r.sent_s or r.scheduled_s)
             i = int(np.searchsorted(starts, sent))
             if i < len(starts):
                 send.append(starts[i] - sent)
-            for t in r.chunk_times_s:
-                j = int(np.searchsorted(ends, run.t0 + t, side="right")) - 1
-                if j >= 0:
-                    deliver.append(run.t0 + t - ends[j])
-    return ClientTiming(statistics.median(send) if send else 0.0, statistics.median(deliver) if deliver else 0.0)
+            d = token_deliveries(steps, ends, run.t0, sent, r)
+            first += d[:1]
+            deliver += d[1:]
+    samples = sorted(deliver)
+    if len(samples) > MAX_DELIVER_SAMPLES:
+        samples = sorted(np.random.default_rng(0).choice(samples, MAX_DELIVER_SAMPLES, replace=False).tolist())
+    return ClientTiming(statistics.median(send) if send else 0.0,
+                        statistics.median(deliver or first) if deliver or first else 0.0,
+                        [round(float(x), 7) for x in samples], statistics.median(first) if first else None)
+
+
+def token_deliveries(steps: list[dict], ends: np.ndarray, t0: float, sent: float, rec) -> list[float]:
+    """Seconds from each token's step end to its arrival (one value per token)."""
+    arrivals = [t0 + t for t in rec.chunk_times_s]
+    if not arrivals:
+        return []
+    counts = list(rec.chunk_tokens) if len(rec.chunk_tokens) == len(arrivals) else [1] * len(arrivals)
+    made = [s["started"] + s["duration"] for s in steps
+            if s["started"] >= sent and s["started"] + s["duration"] <= arrivals[-1] and s.get("sampled", 1) > 0]
+    if len(made) == sum(counts):
+        out, k = [], 0
+        for t, n in zip(arrivals, counts, strict=True):
+            k += n
+            out += [t - made[k - 1]] * max(1, n)
+        if min(out) >= 0:
+            return out
+    out = []
+    for t in arrivals:
+        j = int(np.searchsorted(ends, t, side="right")) - 1
+        if j >= 0:
+            out.append(t - ends[j])
+    return out
 
 
 def band_of(cost: StepCost, steps: list[dict], runs: list[ProbeRun]) -> float:

@@ -8,7 +8,9 @@ It plays what a served engine and the bench client do, in the order they do it:
             (the clock moves by the step's cost inside it), hand the outputs over, and
             spend `gap` on the work between steps; with nothing to do, wait for the
             next arrival
-    client  a token produced by a step is seen `deliver_s` after the step ends; the
+    client  a token produced by a step is seen a delivery latency after the step ends
+            (a request's first: the calibrated median; every later one: a draw from the
+            calibrated distribution, never before the request's previous token); the
             last one ends the request and frees its slot
 
 and records every request as the bench does (`RequestRecord`: scheduled, sent, first
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -41,17 +43,39 @@ MAX_STEPS = 2_000_000
 
 @dataclass
 class ClientTiming:
-    """Fixed latencies outside the engine's steps, measured by calibration."""
+    """Latencies outside the engine's steps, measured by calibration.
+
+    `deliver_samples_s` is the measured distribution of the time from the end of the
+    step that produced a token to the client having it (the event loop, the SSE write,
+    the client's read, the operating system's scheduling of all three), for every token
+    but a request's first. A simulated token draws one, so that noise reaches the
+    predicted inter-token p99 (at one stream on a small model it is most of it); without
+    samples every token takes `deliver_s`. A first token goes out with the response's
+    headers and first event: it takes `first_deliver_s` (their median) when measured.
+    """
 
     send_s: float = 0.0  # the client sends -> the engine has the request
-    deliver_s: float = 0.0  # a step ends -> the client has its tokens
+    deliver_s: float = 0.0  # a step ends -> the client has its tokens (median)
+    deliver_samples_s: list[float] = field(default_factory=list)
+    first_deliver_s: float | None = None
+
+    def deliver(self, rng: np.random.Generator | None, first: bool = False) -> float:
+        if first and self.first_deliver_s is not None:
+            return self.first_deliver_s
+        if rng is None or not self.deliver_samples_s:
+            return self.deliver_s
+        return self.deliver_samples_s[int(rng.integers(len(self.deliver_samples_s)))]
 
     def to_json(self) -> dict:
-        return {"send_ms": self.send_s * 1e3, "deliver_ms": self.deliver_s * 1e3}
+        return {"send_ms": self.send_s * 1e3, "deliver_ms": self.deliver_s * 1e3,
+                "first_deliver_ms": None if self.first_deliver_s is None else self.first_deliver_s * 1e3,
+                "deliver_samples_ms": [round(x * 1e3, 4) for x in self.deliver_samples_s]}
 
     @classmethod
     def from_json(cls, d: dict) -> ClientTiming:
-        return cls(d.get("send_ms", 0.0) / 1e3, d.get("deliver_ms", 0.0) / 1e3)
+        first = d.get("first_deliver_ms")
+        return cls(d.get("send_ms", 0.0) / 1e3, d.get("deliver_ms", 0.0) / 1e3,
+                   [x / 1e3 for x in d.get("deliver_samples_ms", [])], None if first is None else first / 1e3)
 
 
 class Simulation:
@@ -64,6 +88,7 @@ class Simulation:
         self.rng, self.scale = rng, scale
         self._next_id = 0
         self.steps = 0
+        self.step_end = clock.now  # when the last step's compute ended (before its gap)
 
     # -- the engine thread ----------------------------------------------------------------
     def _step(self) -> list:
@@ -73,6 +98,7 @@ class Simulation:
         if self.steps > MAX_STEPS:
             raise RuntimeError("simulation did not finish within its step limit")
         sampled = len(outputs)
+        self.step_end = self.clock.now
         if self.clock.now > before:
             self.clock.sleep(self.cost.gap_seconds(sampled, self.rng, self.scale))
         return outputs
@@ -197,13 +223,15 @@ class Simulation:
                     finish(rid, TIMEOUT, when, f"no answer within {timeout:g}s")
             if engine.has_unfinished():
                 outputs = self._idle_or_step()
-                at = clock.now + client.deliver_s
+                ended = self.step_end
                 for out in outputs:
                     rec = records.get(out.request_id)
                     if rec is None or rec.end_s is not None:
                         continue
+                    last = rec.chunk_times_s[-1] if rec.chunk_times_s else 0.0
+                    at = max(ended + client.deliver(self.rng, first=not rec.chunk_times_s), t0 + last)
                     if out.new_token_ids:
-                        t = max(at - t0, rec.chunk_times_s[-1] if rec.chunk_times_s else 0.0)
+                        t = at - t0
                         if rec.first_token_s is None:
                             rec.first_token_s = t
                         rec.chunk_times_s.append(t)

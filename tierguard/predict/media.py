@@ -6,14 +6,18 @@ page-out or page-in of the naive baseline) the time these measurements give:
     route seconds = fixed + per_block x blocks      (per route: device_to_host,
                                                      host_to_device, host_to_disk,
                                                      disk_to_host, naive_spill,
-                                                     naive_restore)
+                                                     naive_respill, naive_restore)
 
 The probe uses the classes the engine uses: a CPU `DevicePool` of the variant's KV
 layout and a host slab (`DevicePool.copy_blocks`), the disk tier (`DiskTier`, checksums
 and fdatasync included) and the naive baseline's spill tier (`NaiveSyncDisk`: blocks
 dropped from the page cache after the write, so the read waits for the device), in a
-scratch directory on the same file system as the variant's disk tier. A medium with no
-measurement (e.g. the remote tier) is charged the disk's times and listed in
+scratch directory on the same file system as the variant's disk tier. `naive_respill`
+is a spill of a block the spill tier already holds: the naive pager pages the same
+sequence out again and again, and the disk tier writes a block it has only once (its
+index names the bytes), so a repeat costs the copy, the directory sync and the page-cache
+drop but no file write; it is timed by spilling the same blocks a second time. A medium
+with no measurement (e.g. the remote tier) is charged the disk's times and listed in
 `uncalibrated`.
 """
 
@@ -30,7 +34,8 @@ import numpy as np
 
 from tierguard.kv.spec import KVLayout
 
-ROUTES = ("device_to_host", "host_to_device", "host_to_disk", "disk_to_host", "naive_spill", "naive_restore")
+ROUTES = ("device_to_host", "host_to_device", "host_to_disk", "disk_to_host", "naive_spill", "naive_respill",
+          "naive_restore")
 PROBE_SIZES = (1, 8)  # blocks per job: two sizes separate the fixed cost from the per-block cost
 PROBE_REPEATS = 5
 
@@ -51,9 +56,12 @@ class MediaCost:
     uncalibrated: list[str] = field(default_factory=list)
 
     def route(self, name: str) -> RouteCost:
-        """A route's cost; a cold medium without its own measurement is charged the disk's."""
+        """A route's cost; a cold medium without its own measurement is charged the disk's,
+        a naive repeat spill without one the first spill's."""
         if name in self.routes:
             return self.routes[name]
+        if name == "naive_respill":
+            return self.route("naive_spill")
         src, _, dst = name.partition("_to_")
         proxy = f"{'disk' if src not in ('device', 'host') else src}_to_{'disk' if dst not in ('device', 'host') else dst}"
         if name not in self.uncalibrated:
@@ -125,6 +133,7 @@ def measure_media(layout: KVLayout, scratch_parent: str | Path | None = None) ->
                 samples["disk_to_host"][n].append(_timed(disk.read_many, items))
                 nkeys = [int(k) for k in rng.integers(1, 1 << 62, size=n)]
                 samples["naive_spill"][n].append(_timed(_each, naive.spill, nkeys))
+                samples["naive_respill"][n].append(_timed(_each, naive.spill, nkeys))
                 samples["naive_restore"][n].append(_timed(_each, naive.restore, nkeys))
             if rep == 0:
                 samples = {r: {n: [] for n in PROBE_SIZES} for r in ROUTES}

@@ -40,7 +40,7 @@ from tierguard.predict.calibrate import (
 )
 from tierguard.predict.driver import Simulation
 from tierguard.predict.engines import Policy, classify
-from tierguard.predict.media import MediaCost, measure_media
+from tierguard.predict.media import ROUTES, MediaCost, measure_media
 from tierguard.predict.simengine import EngineSpec, SimClock, SimEngine, engine_config_from, model_config_from
 from tierguard.predict.workload import cell_workload
 from tierguard.sweep.boundary import Boundary, search
@@ -92,10 +92,16 @@ def generic_spec(policy: Policy, name: str) -> EngineSpec:
     return EngineSpec(cfg, mc, KVLayout(1, 1, 1, bs, "float32"), name)
 
 
-def media_for(layout: KVLayout, scratch: Path, cache: Cache, log: Log) -> MediaCost:
+def media_key(layout: KVLayout, scratch: Path) -> str:
+    """The media timings' cache key: the KV layout, the file system, the machine and the
+    routes measured (a new route is measured, never read as missing)."""
     from tierguard.predict.calibrate import machine_id
 
-    key = digest({"layout": layout.__dict__, "dev": scratch.stat().st_dev, "machine": machine_id()})
+    return digest({"layout": layout.__dict__, "dev": scratch.stat().st_dev, "machine": machine_id(), "routes": ROUTES})
+
+
+def media_for(layout: KVLayout, scratch: Path, cache: Cache, log: Log) -> MediaCost:
+    key = media_key(layout, scratch)
     cached = cache.get("media", key)
     if cached is not None:
         return MediaCost.from_json(cached["media"])

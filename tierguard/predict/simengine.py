@@ -15,7 +15,9 @@ the prediction with no change here. What is replaced, and by what:
                           (LRU), no bytes
     host slab             the real HostTier, one byte per slot (its bookkeeping is real)
     naive disk            SimNaiveDisk: a page-out or page-in blocks the step (the clock
-                          moves) for the measured per-block time
+                          moves) for the measured per-block time; a block already on
+                          disk is not written again (the measured repeat spill); the
+                          spill tier's budget evicts least recently used blocks
     tokenizer             one character per token (no stop strings, no held text)
 
 The simulated clock only moves when something takes time: a step's compute, an idle
@@ -33,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tierguard.common.units import GIB
 from tierguard.engine.api import StepShape
 from tierguard.engine.config import EngineConfig
 from tierguard.engine.llm_engine import LLMEngine
@@ -259,20 +262,33 @@ class _NaiveDiskStats:
 
 class SimNaiveDisk:
     """The naive baseline's synchronous disk (tierguard/baselines/naive_kv.py): a spill
-    or a restore blocks the engine thread, so the clock moves inside the step."""
+    or a restore blocks the engine thread, so the clock moves inside the step. Its index
+    is the spill tier's: `capacity_blocks` block files, the least recently stored or read
+    evicted first; a repeat spill of a block it holds writes nothing and does not move
+    it (as `DiskTier.write` with a known hash); a restore of an evicted block misses."""
 
-    def __init__(self, clock: SimClock, media_cost: MediaCost, rng: np.random.Generator | None, scale: float) -> None:
+    def __init__(self, clock: SimClock, media_cost: MediaCost, rng: np.random.Generator | None, scale: float,
+                 capacity_blocks: int | None = None) -> None:
         from tierguard.baselines.naive_kv import NaiveCounters
 
         self.clock, self.cost, self.rng, self.scale = clock, media_cost, rng, scale
+        self.capacity = capacity_blocks
         self.counters = NaiveCounters()
-        self.stored: set[int] = set()
+        self.stored: OrderedDict[int, None] = OrderedDict()
         self.disk = _NaiveDiskStats(self)
 
     def spill(self, block_hash: int, device_block: int) -> bool:
-        t = self.cost.route("naive_spill").seconds(1) * self.scale
+        """A block the spill tier holds already is not written again (the disk tier's
+        index names the bytes): it costs the measured repeat spill."""
+        known = block_hash in self.stored
+        if not known and self.capacity is not None:
+            if self.capacity <= 0:
+                return False
+            while len(self.stored) >= self.capacity:
+                self.stored.popitem(last=False)
+        t = self.cost.route("naive_respill" if known else "naive_spill").seconds(1) * self.scale
         self.clock.sleep(t)
-        self.stored.add(block_hash)
+        self.stored.setdefault(block_hash, None)
         self.counters.spills += 1
         self.counters.stall_s += t
         return True
@@ -281,6 +297,7 @@ class SimNaiveDisk:
         if block_hash not in self.stored:
             self.counters.restore_misses += 1
             return False
+        self.stored.move_to_end(block_hash)
         t = self.cost.route("naive_restore").seconds(1) * self.scale
         self.clock.sleep(t)
         self.counters.restores += 1
@@ -332,7 +349,11 @@ class SimEngine(LLMEngine):
 
     def _naive_disk(self) -> SimNaiveDisk:  # type: ignore[override]
         _spec, _cost, _media, rng, scale = self._sim
-        return SimNaiveDisk(self.clock, self._media_cost(), rng, scale)  # type: ignore[arg-type]
+        from tierguard.kv.media.disk.format import HEADER_LEN
+
+        file_bytes = HEADER_LEN + self.runner.device_pool.block_bytes  # the plaintext block file
+        capacity = int(self.config.kv_disk_gib * GIB) // file_bytes
+        return SimNaiveDisk(self.clock, self._media_cost(), rng, scale, capacity)  # type: ignore[arg-type]
 
 
 def engine_config_from(d: dict) -> EngineConfig:
