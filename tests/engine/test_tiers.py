@@ -15,6 +15,7 @@ from tierguard.common.errors import TierguardError
 from tierguard.engine.api import SamplingParams
 from tierguard.engine.prefix_hash import prefix_block_hashes
 from tierguard.engine.sequence import SequenceStatus
+from tierguard.kv.faults import FaultInjector
 from tierguard.kv.guard import ColdContractViolation, decode_guard
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -254,6 +255,41 @@ def test_interactive_request_swaps_a_running_batch_one_to_host(tiny_dir):
         assert [out["batch"], out["i0"], out["i1"]] == expected
         assert engine.stats().num_preemptions >= 1
         assert extra(engine)["kv_swap_out_blocks"] > 0
+    finally:
+        engine.close()
+
+
+def test_a_batch_request_that_yielded_room_waits_while_the_interactive_one_stages(tiny_dir):
+    """An interactive request whose prefix is in host RAM only makes a running batch
+    request yield its room, then stages its prefix (out of the queue for a while: the copy
+    is slowed here). The batch request must not take the room back meanwhile: the
+    interactive one's return would swap it out a second time, one more gap in its stream."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    chat, long = prompt_ids(80, 40), prompt_ids(77, 100)
+    turn = chat + prompt_ids(81, 8)
+    expected = make_engine(tiny_dir).generate([long, turn], params)
+    faults = FaultInjector()
+    engine = make_engine(tiny_dir, faults=faults, num_blocks=36, kv_host_gib=0.01)
+    try:
+        run(engine, [chat], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        engine.pool.evict_all_cached()  # the chat's prefix is in host RAM only
+        victims: list[str] = []
+        preempt = engine.scheduler._preempt
+        engine.scheduler._preempt = lambda seq: victims.append(seq.seq_id) or preempt(seq)
+        out: dict[str, list[int]] = {"batch": [], "chat": []}
+        engine.add_request("batch", long, params, request_class="batch")
+        for step in range(10_000):
+            if step == 3:  # the batch request is decoding and holds most of the pool
+                faults.delay("transfer", 0.05, times=2)  # its swap-out and the chat's load
+                engine.add_request("chat", turn, params)
+            elif step > 3 and not engine.has_unfinished():
+                break
+            for o in engine.step():
+                out[o.request_id].extend(o.new_token_ids)
+            engine.check_integrity()
+        assert [out["batch"], out["chat"]] == expected
+        assert extra(engine)["kv_host_hits"] >= 10  # the chat's prefix came back from host RAM
+        assert victims == ["batch"], victims
     finally:
         engine.close()
 

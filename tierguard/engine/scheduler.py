@@ -47,6 +47,7 @@ class Scheduler:
         self.admission = admission or FifoAdmission()
         self.waiting: OrderedDict[str, Sequence] = OrderedDict()  # front = next to admit
         self.running: list[Sequence] = []  # admission order, oldest first
+        self.staging: dict[str, Sequence] = {}  # out of the queue until their tier load ends
         self.num_preemptions = 0
         self.step_budget = step_budget or StepBudget.from_config(config)
         self.waves = waves or SloWaves(config.max_num_seqs)
@@ -64,12 +65,14 @@ class Scheduler:
 
     def requeue_front(self, seq: Sequence) -> None:
         """A preempted sequence, or one whose staged load ended, goes back to the head of the queue."""
+        self.staging.pop(seq.seq_id, None)
         self.add(seq)
         self.waiting.move_to_end(seq.seq_id, last=False)
 
     def remove(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence and free its blocks."""
         self.waves.forget(seq)
+        self.staging.pop(seq.seq_id, None)
         if self.waiting.pop(seq.seq_id, None) is None and seq in self.running:
             self.running.remove(seq)
             self.connector.offload(seq, preempted=False)
@@ -149,8 +152,8 @@ class Scheduler:
             # Keep one free block per running sequence, so admitting does not force the
             # next decode step straight into preemption.
             reserve = len(self.running)
-            if not self.admission.has_room(seq, match, reserve, self.running):
-                if self.admission.on_no_room(seq, self.waiting, reserve, self.running):
+            if not self.admission.has_room(seq, match, reserve, self.running, self.staging):
+                if self.admission.on_no_room(seq, self.waiting, reserve, self.running, self.staging):
                     continue  # another request that fits now is the head
                 break  # waits for room
             if self._stage(seq, match):
@@ -180,6 +183,7 @@ class Scheduler:
         if not (load_async and self.connector.start_load(seq, match)):
             return False
         del self.waiting[seq.seq_id]
+        self.staging[seq.seq_id] = seq
         return True
 
     def _newest_unscheduled(self, scheduled_ids: set[str], exclude: Sequence) -> Sequence | None:
