@@ -10,6 +10,7 @@ The scheduler calls one policy method per hook and keeps no policy of its own:
                                            moved to the front instead (try again)
     room_victim(running)                   at the start of a step: a running sequence to
                                            swap out so a waiting one gets room
+    preempt_order(candidates)              a running sequence cannot grow: who goes first
 
 `FifoAdmission` is nano-vllm's: strict arrival order, room for the first chunk only.
 `ContractAdmission` is used with tiers and applies the cold contract's class order
@@ -20,7 +21,9 @@ The scheduler calls one policy method per hook and keeps no policy of its own:
     TTFT budget; past its budget a request is overtaken by no one (nothing starves);
   - while the head waits for room within its budget, a smaller request that fits may
     pass it; an interactive head that waits makes the newest running batch sequence
-    yield its room at the next step (swapped to host RAM, restored later);
+    yield its room at the next step (swapped to host RAM, restored later); when the
+    pool runs dry under running sequences, a batch one is the victim before an
+    interactive one (newest first within a class);
   - while an interactive request stages its prefix from a tier (out of the queue until
     its blocks arrive), no batch request within its budget is admitted: the room it
     yielded or found would otherwise go to the batch one, and its return would swap that
@@ -80,6 +83,12 @@ class AdmissionPolicy:
         waiting sequence gets room (it requeues at the front; its blocks go to host RAM
         through the connector), or None."""
         return None
+
+    def preempt_order(self, candidates: list[Sequence]) -> list[Sequence]:
+        """A running sequence cannot get a block: `candidates` are who may be preempted,
+        the scheduler's order (newest other sequence first, the one that cannot grow
+        last); returns them reordered, the victim first. The default keeps the order."""
+        return candidates
 
 
 class FifoAdmission(AdmissionPolicy):
@@ -151,6 +160,9 @@ class ContractAdmission(AdmissionPolicy):
             if self.contract.yields_room(seq.request_class) and seq.block_table:
                 return seq
         return None
+
+    def preempt_order(self, candidates: list[Sequence]) -> list[Sequence]:
+        return sorted(candidates, key=lambda s: not self.contract.yields_room(s.request_class))
 
     def _overdue(self, seq: Sequence) -> bool:
         return self.contract.overdue(seq.request_class, seq.queued_at, self.clock.monotonic())
