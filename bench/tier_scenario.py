@@ -139,12 +139,13 @@ def size_scenario(a: argparse.Namespace, m: Measured) -> dict:
     measured step times (pure; a CLI value given in `a` wins over the derived one).
 
     Guarantees, whatever the measurements: the small pool cannot hold the long request
-    beside every chat's final history, holds the long request on its own, and is full
-    with chat prefixes to spare once the long prompt is in; the big pool holds everything.
+    beside every chat's final history, holds the long request on its own, and cannot
+    keep every chat's first turn once the long prompt is in (it pushes chat prefixes
+    out); the big pool holds everything.
     """
     bs, d, pp = a.block_size, m.decode_step_s, m.prefill_s_per_token
     reserve = a.chats + 1  # the scheduler keeps one free block per running sequence
-    chat_first = a.chat_context + a.chat_output  # a chat's blocks after its first turn
+    chat_first = a.chat_context + a.chat_output  # a chat's tokens after its first turn
     chat_final = a.chat_context + (a.chat_turns - 1) * (a.chat_output + a.chat_user_tokens) + a.chat_output
     first_turns_s = a.chats * a.chat_context * pp + a.chat_output * d
     turn_s = (a.chat_output + a.chat_user_tokens) * pp + a.chat_output * d  # later turns: prefix cached
