@@ -55,10 +55,10 @@ def ms(v: float | None) -> float | None:
 
 
 @contextlib.contextmanager
-def serve(name: str, flags: list[str], env: dict[str, str] | None = None) -> Iterator[str]:
+def serve(name: str, flags: list[str], env: dict[str, str] | None = None, model: str = "tiny") -> Iterator[str]:
     """Start `tierguard serve --port 0 ...`, yield its base URL, stop it with SIGTERM."""
     LOG_DIR.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "tierguard", "serve", "--model", "tiny", "--port", "0", *flags]
+    cmd = [sys.executable, "-m", "tierguard", "serve", "--model", model, "--port", "0", *flags]
     child = ReadyProcess(
         cmd, READY, env={"PYTHONPATH": str(ROOT), **(env or {})},
         stderr_path=LOG_DIR / f"{name}.stderr.log", grace_s=60.0,

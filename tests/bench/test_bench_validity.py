@@ -65,6 +65,46 @@ def test_tier_scenario_requires_errors_free_streams_and_used_tiers(bench_modules
     assert not tier_scenario.check("naive", _result({}), a).valid
     broken = tier_scenario.check("contract", _result(used, errors=["HTTP 500: boom"], requests=8, empty=1), a)
     assert len(broken.reasons) == 3 and "HTTP 500" in " ".join(broken.reasons)
+    # a server whose pool is not the one the scenario sized measured another scenario
+    resized = tier_scenario.check("contract", {**_result(used), "kv_blocks_total": 170.0}, a, blocks=169)
+    assert not resized.valid and "169" in resized.reasons[0]
+
+
+@pytest.mark.parametrize("decode_ms,prefill_us", [(0.9, 170.0), (8.0, 900.0), (2.0, 40.0)])
+def test_tier_scenario_sizes_itself_so_the_tiers_are_read(bench_modules, decode_ms, prefill_us):
+    """Whatever the CPU's step times, the sized scenario pushes chat prefixes out of the
+    small pool while the chats still have turns to come back for them."""
+    tier_scenario, _ = bench_modules
+    a = tier_scenario.parse_args([])
+    m = tier_scenario.Measured(decode_ms / 1000, prefill_us / 1e6, block_bytes=32768)
+    sc = tier_scenario.size_scenario(a, m)
+
+    def blocks(tokens: int) -> int:
+        return -(-tokens // a.block_size)
+
+    reserve = a.chats + 1
+    chat_first = blocks(a.chat_context + a.chat_output)
+    chat_final = blocks(a.chat_context + (a.chat_turns - 1) * (a.chat_output + a.chat_user_tokens) + a.chat_output)
+    long_prompt = blocks(a.long_prompt)
+    small = sc["small_blocks"]
+    assert small < sc["everything_blocks"] <= sc["big_blocks"]  # short only for the tiered variants
+    assert small - reserve >= long_prompt + 2 * chat_first  # holds the long request plus two chats
+    assert small - reserve >= blocks(a.long_prompt + sc["long_output"])  # the long one fits on its own
+    assert long_prompt + a.chats * chat_first > small  # its prompt pushes chat prefixes out
+    assert sc["everything_blocks"] == blocks(a.long_prompt + sc["long_output"]) + a.chats * chat_final
+    # The chats return after the long prompt is in, and the long request arrives as their first turns end.
+    est = sc["estimates_s"]
+    assert sc["long_delay_s"] > est["chats_first_turns"] >= a.chat_output * m.decode_step_s
+    assert est["chats_first_turns"] + sc["think_s"] >= sc["long_delay_s"] + 1.5 * est["long_prefill"]
+    assert sc["max_model_len"] >= a.long_prompt + sc["long_output"]
+    # Times follow the measurements: a CPU twice as slow thinks twice as long.
+    slow = tier_scenario.size_scenario(a, tier_scenario.Measured(2 * m.decode_step_s, 2 * m.prefill_s_per_token, 32768))
+    assert slow["think_s"] == pytest.approx(2 * sc["think_s"], rel=1e-3)
+    assert slow["small_blocks"] == small and slow["long_output"] == sc["long_output"]
+    # CLI values win over derived ones.
+    fixed = tier_scenario.parse_args(["--small-blocks", "150", "--think", "0.25", "--long-output", "200"])
+    sc = tier_scenario.size_scenario(fixed, m)
+    assert (sc["small_blocks"], sc["think_s"], sc["long_output"]) == (150, 0.25, 200)
 
 
 def _phase(hits: float = 0.0, undecodable: float = 0.0, persisted: float = 0.0, texts=("a", "b"), errors=()) -> dict:

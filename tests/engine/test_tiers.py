@@ -15,6 +15,7 @@ from tierguard.common.errors import TierguardError
 from tierguard.engine.api import SamplingParams
 from tierguard.engine.prefix_hash import prefix_block_hashes
 from tierguard.engine.sequence import SequenceStatus
+from tierguard.kv.faults import FaultInjector
 from tierguard.kv.guard import ColdContractViolation, decode_guard
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -254,6 +255,66 @@ def test_interactive_request_swaps_a_running_batch_one_to_host(tiny_dir):
         assert [out["batch"], out["i0"], out["i1"]] == expected
         assert engine.stats().num_preemptions >= 1
         assert extra(engine)["kv_swap_out_blocks"] > 0
+    finally:
+        engine.close()
+
+
+def _batch_then_chat(engine, long, chat, params, on_chat=lambda: None) -> tuple[dict, list[str]]:
+    """Run a batch request, add an interactive one ("chat") at step 3 (after `on_chat()`),
+    run both to the end. Returns their outputs and the preempted request ids in order."""
+    victims: list[str] = []
+    preempt = engine.scheduler._preempt
+    engine.scheduler._preempt = lambda seq: victims.append(seq.seq_id) or preempt(seq)
+    out: dict[str, list[int]] = {"batch": [], "chat": []}
+    engine.add_request("batch", long, params, request_class="batch")
+    for step in range(10_000):
+        if step == 3:
+            on_chat()
+            engine.add_request("chat", chat, params)
+        elif step > 3 and not engine.has_unfinished():
+            break
+        for o in engine.step():
+            out[o.request_id].extend(o.new_token_ids)
+        engine.check_integrity()
+    return out, victims
+
+
+def test_a_batch_request_that_yielded_room_waits_while_the_interactive_one_stages(tiny_dir):
+    """An interactive request whose prefix is in host RAM only makes a running batch
+    request yield its room, then stages its prefix (out of the queue for a while: the copy
+    is slowed here). The batch request must not take the room back meanwhile: the
+    interactive one's return would swap it out a second time, one more gap in its stream."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    chat, long = prompt_ids(80, 40), prompt_ids(77, 100)
+    turn = chat + prompt_ids(81, 8)
+    expected = make_engine(tiny_dir).generate([long, turn], params)
+    faults = FaultInjector()
+    engine = make_engine(tiny_dir, faults=faults, num_blocks=36, kv_host_gib=0.01)
+    try:
+        run(engine, [chat], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        engine.pool.evict_all_cached()  # the chat's prefix is in host RAM only
+        # At the chat's arrival the batch request decodes and holds most of the pool; the
+        # batch one's swap-out and the chat's load are slowed.
+        out, victims = _batch_then_chat(engine, long, turn, params, lambda: faults.delay("transfer", 0.05, times=2))
+        assert [out["batch"], out["chat"]] == expected
+        assert extra(engine)["kv_host_hits"] >= 10  # the chat's prefix came back from host RAM
+        assert victims == ["batch"], victims
+    finally:
+        engine.close()
+
+
+def test_a_pool_that_runs_dry_under_running_sequences_preempts_the_batch_one(tiny_dir):
+    """A batch and an interactive request both decode and the pool runs out: the batch
+    one gives up its blocks first (swapped to host RAM), not the interactive one (which
+    would come back and make the batch one yield anyway: two preemptions for one)."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    long, chat = prompt_ids(77, 100), prompt_ids(80, 40)
+    expected = make_engine(tiny_dir).generate([long, chat], params)
+    engine = make_engine(tiny_dir, num_blocks=44, kv_host_gib=0.01)
+    try:
+        out, victims = _batch_then_chat(engine, long, chat, params)  # both fit at admission; their answers do not
+        assert [out["batch"], out["chat"]] == expected
+        assert victims[:1] == ["batch"], victims
     finally:
         engine.close()
 

@@ -3,12 +3,14 @@
 The scheduler calls one policy method per hook and keeps no policy of its own:
 
     head(waiting)                          the request to try next
-    has_room(seq, match, reserve, running) may it be admitted now (before its first chunk
+    has_room(seq, match, reserve, running, staging)
+                                           may it be admitted now (before its first chunk
                                            is checked against the pool)
     on_no_room(head, waiting, ...)         it has no room: True when another request was
                                            moved to the front instead (try again)
     room_victim(running)                   at the start of a step: a running sequence to
                                            swap out so a waiting one gets room
+    preempt_order(candidates)              a running sequence cannot grow: who goes first
 
 `FifoAdmission` is nano-vllm's: strict arrival order, room for the first chunk only.
 `ContractAdmission` is used with tiers and applies the cold contract's class order
@@ -19,18 +21,27 @@ The scheduler calls one policy method per hook and keeps no policy of its own:
     TTFT budget; past its budget a request is overtaken by no one (nothing starves);
   - while the head waits for room within its budget, a smaller request that fits may
     pass it; an interactive head that waits makes the newest running batch sequence
-    yield its room at the next step (swapped to host RAM, restored later).
+    yield its room at the next step (swapped to host RAM, restored later); when the
+    pool runs dry under running sequences, a batch one is the victim before an
+    interactive one (newest first within a class);
+  - while an interactive request stages its prefix from a tier (out of the queue until
+    its blocks arrive), no batch request within its budget is admitted: the room it
+    yielded or found would otherwise go to the batch one, and its return would swap that
+    one out again (a swap-out, a reload and one more gap in its stream for nothing).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from itertools import islice
 
 from tierguard.common.clock import SYSTEM_CLOCK, Clock
 from tierguard.engine.block_manager import BlockManager, PrefixMatch
 from tierguard.engine.sequence import Sequence
 from tierguard.kv.contract import LOOKAHEAD, ColdContract
+
+NONE_STAGING: Mapping[str, Sequence] = {}
 
 
 class AdmissionPolicy:
@@ -47,14 +58,20 @@ class AdmissionPolicy:
         """The waiting sequence to try next: one of `waiting`'s values (never empty)."""
         return next(iter(waiting.values()))
 
-    def has_room(self, seq: Sequence, match: PrefixMatch, reserve: int, running: list[Sequence]) -> bool:
+    def has_room(
+        self, seq: Sequence, match: PrefixMatch, reserve: int, running: list[Sequence],
+        staging: Mapping[str, Sequence] = NONE_STAGING,
+    ) -> bool:
         """Whether `seq` (with its device prefix `match`) may be admitted now, keeping
-        `reserve` blocks free for the `running` sequences. True promises no blocks: the
-        scheduler still checks the first chunk against the pool and stops if it does not fit."""
+        `reserve` blocks free for the `running` sequences; `staging`: sequences out of the
+        queue until their tier load ends (they come back to the head of it). True promises
+        no blocks: the scheduler still checks the first chunk against the pool and stops
+        if it does not fit."""
         return True
 
     def on_no_room(
-        self, head: Sequence, waiting: OrderedDict[str, Sequence], reserve: int, running: list[Sequence]
+        self, head: Sequence, waiting: OrderedDict[str, Sequence], reserve: int, running: list[Sequence],
+        staging: Mapping[str, Sequence] = NONE_STAGING,
     ) -> bool:
         """`head` has no room. True after moving another waiting request to the front of
         `waiting`: the scheduler asks `head` again within the same step, so True must mean
@@ -66,6 +83,12 @@ class AdmissionPolicy:
         waiting sequence gets room (it requeues at the front; its blocks go to host RAM
         through the connector), or None."""
         return None
+
+    def preempt_order(self, candidates: list[Sequence]) -> list[Sequence]:
+        """A running sequence cannot get a block: `candidates` are who may be preempted,
+        the scheduler's order (newest other sequence first, the one that cannot grow
+        last); returns them reordered, the victim first. The default keeps the order."""
+        return candidates
 
 
 class FifoAdmission(AdmissionPolicy):
@@ -92,8 +115,18 @@ class ContractAdmission(AdmissionPolicy):
                 return seq
         return first
 
-    def has_room(self, seq: Sequence, match: PrefixMatch, reserve: int, running: list[Sequence]) -> bool:
-        """Room for the whole remaining prompt, after the unfinished prefills of running ones."""
+    def has_room(
+        self, seq: Sequence, match: PrefixMatch, reserve: int, running: list[Sequence],
+        staging: Mapping[str, Sequence] = NONE_STAGING,
+    ) -> bool:
+        """Room for the whole remaining prompt, after the unfinished prefills of running
+        ones; none for a batch request while an interactive one stages (module docstring)."""
+        if (
+            self.contract.yields_room(seq.request_class)
+            and not self._overdue(seq)
+            and any(self.contract.goes_first(s.request_class) for s in staging.values())
+        ):
+            return False
         whole = len(seq) - len(match.block_ids) * self.bm.block_size
         pending = sum(
             self.bm.blocks_needed(s, s.num_pending_tokens) for s in running if s.num_pending_tokens > 1
@@ -101,7 +134,8 @@ class ContractAdmission(AdmissionPolicy):
         return self.bm.can_admit(seq, match, whole, reserve=reserve + pending)
 
     def on_no_room(
-        self, head: Sequence, waiting: OrderedDict[str, Sequence], reserve: int, running: list[Sequence]
+        self, head: Sequence, waiting: OrderedDict[str, Sequence], reserve: int, running: list[Sequence],
+        staging: Mapping[str, Sequence] = NONE_STAGING,
     ) -> bool:
         if not self._overdue(head):
             urgent = self.contract.goes_first(head.request_class)
@@ -112,7 +146,7 @@ class ContractAdmission(AdmissionPolicy):
                 # request would take the room it waits for (and `head` would pick it again).
                 if urgent and not self.contract.goes_first(cand.request_class):
                     continue
-                if self.has_room(cand, self.bm.lookup(cand), reserve, running):
+                if self.has_room(cand, self.bm.lookup(cand), reserve, running, staging):
                     waiting.move_to_end(cand.seq_id, last=False)
                     return True
         self._room_wanted = self.contract.goes_first(head.request_class)
@@ -126,6 +160,9 @@ class ContractAdmission(AdmissionPolicy):
             if self.contract.yields_room(seq.request_class) and seq.block_table:
                 return seq
         return None
+
+    def preempt_order(self, candidates: list[Sequence]) -> list[Sequence]:
+        return sorted(candidates, key=lambda s: not self.contract.yields_room(s.request_class))
 
     def _overdue(self, seq: Sequence) -> bool:
         return self.contract.overdue(seq.request_class, seq.queued_at, self.clock.monotonic())

@@ -5,9 +5,10 @@ A step's token budget (max_num_batched_tokens) is spent in this order:
   2. running sequences in the middle of a chunked prefill;
   3. waiting sequences, admitted while there is budget, a sequence slot (max_num_seqs)
      and KV blocks for their first chunk, in the order the admission policy gives.
-When a running sequence cannot get a block, the newest other running sequence is
-preempted by recompute (its blocks are freed, it goes back to the front of the queue;
-its full blocks stay in the prefix cache, so the recompute is often cheap).
+When a running sequence cannot get a block, another running sequence (the newest one,
+or the admission policy's choice) is preempted by recompute (its blocks are freed, it
+goes back to the front of the queue; its full blocks stay in the prefix cache, so the
+recompute is often cheap).
 
 The scheduler decides; collaborators hold the policies, each called once per hook:
   - `step_budget` (step_budget.py): the prefill tokens (2 and 3) a step with decodes may
@@ -47,6 +48,7 @@ class Scheduler:
         self.admission = admission or FifoAdmission()
         self.waiting: OrderedDict[str, Sequence] = OrderedDict()  # front = next to admit
         self.running: list[Sequence] = []  # admission order, oldest first
+        self.staging: dict[str, Sequence] = {}  # out of the queue until their tier load ends
         self.num_preemptions = 0
         self.step_budget = step_budget or StepBudget.from_config(config)
         self.waves = waves or SloWaves(config.max_num_seqs)
@@ -64,12 +66,14 @@ class Scheduler:
 
     def requeue_front(self, seq: Sequence) -> None:
         """A preempted sequence, or one whose staged load ended, goes back to the head of the queue."""
+        self.staging.pop(seq.seq_id, None)
         self.add(seq)
         self.waiting.move_to_end(seq.seq_id, last=False)
 
     def remove(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence and free its blocks."""
         self.waves.forget(seq)
+        self.staging.pop(seq.seq_id, None)
         if self.waiting.pop(seq.seq_id, None) is None and seq in self.running:
             self.running.remove(seq)
             self.connector.offload(seq, preempted=False)
@@ -101,9 +105,12 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        """Decodes first (protects inter-token latency from long prefills); returns the budget left."""
+        """Decodes first (protects inter-token latency from long prefills); within them,
+        those the policy would preempt last go first, so that the one it would preempt
+        first is the one left without a block. Returns the budget left."""
         scheduled_ids: set[str] = set()
-        for seq in sorted(self.running, key=lambda s: s.num_pending_tokens > 1):
+        order = self.admission.preempt_order(self.running[::-1])[::-1]
+        for seq in sorted(order, key=lambda s: s.num_pending_tokens > 1):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING or self.waves.is_held(seq):
@@ -112,7 +119,7 @@ class Scheduler:
             if n == 0:
                 continue  # a prefill past this step's cap
             while not self.bm.ensure_slots(seq, n):
-                victim = self._newest_unscheduled(scheduled_ids, exclude=seq) or seq
+                victim = self._victim(scheduled_ids, seq)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
@@ -149,8 +156,8 @@ class Scheduler:
             # Keep one free block per running sequence, so admitting does not force the
             # next decode step straight into preemption.
             reserve = len(self.running)
-            if not self.admission.has_room(seq, match, reserve, self.running):
-                if self.admission.on_no_room(seq, self.waiting, reserve, self.running):
+            if not self.admission.has_room(seq, match, reserve, self.running, self.staging):
+                if self.admission.on_no_room(seq, self.waiting, reserve, self.running, self.staging):
                     continue  # another request that fits now is the head
                 break  # waits for room
             if self._stage(seq, match):
@@ -180,11 +187,18 @@ class Scheduler:
         if not (load_async and self.connector.start_load(seq, match)):
             return False
         del self.waiting[seq.seq_id]
+        self.staging[seq.seq_id] = seq
         return True
 
     def _newest_unscheduled(self, scheduled_ids: set[str], exclude: Sequence) -> Sequence | None:
         return next((s for s in reversed(self.running)
                      if s is not exclude and s.seq_id not in scheduled_ids and s.block_table), None)
+
+    def _victim(self, scheduled_ids: set[str], seq: Sequence) -> Sequence:
+        """Who gives up its blocks when `seq` cannot grow: the admission policy's first
+        choice among the unscheduled running sequences (newest first) and `seq` itself (last)."""
+        others = [s for s in reversed(self.running) if s is not seq and s.seq_id not in scheduled_ids and s.block_table]
+        return self.admission.preempt_order([*others, seq])[0]
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
