@@ -6,38 +6,17 @@ script's own judging function a broken run (and, where cheap, a good one)."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from tests.bench.bench_scripts import bench_module, on_path
+from tests.bench.bench_scripts import fresh_bench_module as load
 
 
 @pytest.fixture(scope="module")
 def bench_modules():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import tier_scenario
-        import validity
-
-        yield tier_scenario, validity
-    finally:
-        sys.path.remove(str(BENCH))
-
-
-def load(name: str):
-    """A bench script as a module (bench/ on sys.path for its `validity` import)."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses look their module up there
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
+    with on_path():
+        yield bench_module("tier_scenario"), bench_module("validity")
 
 
 def _result(counters: dict, errors: list[str] | None = None, requests: int = 9, empty: int = 0) -> dict:
@@ -113,11 +92,7 @@ def _phase(hits: float = 0.0, undecodable: float = 0.0, persisted: float = 0.0, 
 
 
 def test_prefix_restart_requires_disk_hits_same_output_and_a_counted_wrong_key(bench_modules):
-    sys.path.insert(0, str(BENCH))
-    try:
-        import prefix_restart
-    finally:
-        sys.path.remove(str(BENCH))
+    prefix_restart = bench_module("prefix_restart")
     a = argparse.Namespace(prefix_tokens=512, prefixes=2)
     good = {
         "save": _phase(persisted=64), "disk": _phase(hits=64), "recompute": _phase(),

@@ -4,23 +4,14 @@ goals compare the settings they name."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from tests.bench.bench_scripts import bench_module
 
 
 @pytest.fixture(scope="module")
 def gp():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import goodput
-
-        yield goodput
-    finally:
-        sys.path.remove(str(BENCH))
+    return bench_module("goodput")
 
 
 def lv(tok_s: float, p99: float, p50: float = 10.0, ttft: float = 500.0, valid: bool = True) -> dict:

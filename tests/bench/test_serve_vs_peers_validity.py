@@ -3,23 +3,14 @@ reference is invalid, however fast, and no goal counts it as met."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from tests.bench.bench_scripts import bench_module
 
 
 @pytest.fixture(scope="module")
 def peers():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import serve_vs_peers
-
-        yield serve_vs_peers
-    finally:
-        sys.path.remove(str(BENCH))
+    return bench_module("serve_vs_peers")
 
 
 REF = ["The capital of France is Paris.", "Water boils at 100 degrees Celsius at sea level.",
