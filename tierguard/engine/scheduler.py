@@ -25,6 +25,7 @@ The scheduler decides; collaborators hold the policies, each called once per hoo
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 
 from tierguard.common.clock import SYSTEM_CLOCK, Clock
 from tierguard.engine.admission import AdmissionPolicy, FifoAdmission
@@ -190,15 +191,17 @@ class Scheduler:
         self.staging[seq.seq_id] = seq
         return True
 
+    def _unscheduled(self, scheduled_ids: set[str], exclude: Sequence) -> Iterator[Sequence]:
+        """Running sequences holding blocks and not scheduled in this step, newest first."""
+        return (s for s in reversed(self.running) if s is not exclude and s.seq_id not in scheduled_ids and s.block_table)
+
     def _newest_unscheduled(self, scheduled_ids: set[str], exclude: Sequence) -> Sequence | None:
-        return next((s for s in reversed(self.running)
-                     if s is not exclude and s.seq_id not in scheduled_ids and s.block_table), None)
+        return next(self._unscheduled(scheduled_ids, exclude), None)
 
     def _victim(self, scheduled_ids: set[str], seq: Sequence) -> Sequence:
         """Who gives up its blocks when `seq` cannot grow: the admission policy's first
         choice among the unscheduled running sequences (newest first) and `seq` itself (last)."""
-        others = [s for s in reversed(self.running) if s is not seq and s.seq_id not in scheduled_ids and s.block_table]
-        return self.admission.preempt_order([*others, seq])[0]
+        return self.admission.preempt_order([*self._unscheduled(scheduled_ids, seq), seq])[0]
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
