@@ -41,8 +41,9 @@ def engine_of(name: str) -> str:
 
 
 def weights_of(name: str) -> str:
-    """The weight format in a server name: tierguard-int8@slo12 -> int8, vllm-bf16 -> bf16."""
-    return name.split("@", 1)[0].rsplit("-", 1)[-1]
+    """The weight format in a server name, the part after the engine: tierguard-int8@slo12
+    -> int8, vllm-f32-default-threads -> f32; "" for a name without one (transformers)."""
+    return ([*name.split("@", 1)[0].split("-"), ""])[1]
 
 
 def quality_ok(name: str, result: dict, quality: dict | None = None) -> bool:

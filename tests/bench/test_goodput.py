@@ -94,3 +94,10 @@ def test_flops_and_peak_fraction(gp, tmp_path):
     assert rows["vllm-bf16"]["8"]["fraction"] == round(achieved / 1e9, 4)
     assert rows["tierguard-int8"]["peak_kind"] == "float32_fma"  # weight-only int8 multiplies in float32
     assert rows["tierguard-int8"]["8"]["fraction"] == round(achieved / 2e9, 4)
+
+
+def test_weight_format_is_the_name_part_after_the_engine(gp):
+    assert gp.weights_of("tierguard-int8@slo12") == "int8"
+    assert gp.weights_of("vllm-f32-default-threads") == "f32"
+    assert gp.weights_of("llamacpp-q8_0") == "q8_0"
+    assert gp.weights_of("transformers") == ""
