@@ -1,6 +1,6 @@
 """Goodput, raw throughput and distance to the arithmetic limit, from serve_vs_peers' servers.
 
-A server here is one engine at one setting (`vllm-bf16@b256`: vLLM bfloat16 with its
+A server, to these functions, is one engine at one setting (`vllm-bf16@b256`: vLLM bfloat16 with its
 own knobs; `tierguard-bf16@slo40`: ours with `--itl-slo-ms 40`); the engine is the part
 of the name before the first "-". Every function takes the `servers` mapping of a
 serve_vs_peers report (name -> {"server", "agreement", "levels"}) and only reads it.
