@@ -96,57 +96,97 @@ static void pv_heads(const float *p, int64_t ps, const float *v, int64_t row, in
     }
 }
 
+/* Prefetches slot s's share (of n slots) of `bytes` from `next` (the next block's rows):
+ * a sequence's blocks lie anywhere in the pool, so the hardware prefetcher finds each
+ * block's stream only after stalling on its first lines, and a decode step of many long
+ * sequences, bound by reading their K/V, ran far below the memory's bandwidth. */
+static inline void prefetch_share(const float *next, int64_t bytes, int s, int n) {
+    const int64_t lines = (bytes + 63) / 64;
+    for (int64_t l = s * lines / n, l1 = (s + 1) * lines / n; l < l1; l++)
+        __builtin_prefetch((const char *)next + l * 64, 0, 3);
+}
+
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+
+static inline v8 fold16(v16 v) { /* the two halves' sum: 8 lanes */
+    v8 lo, hi;
+    memcpy(&lo, &v, sizeof lo);
+    memcpy(&hi, (const char *)&v + sizeof lo, sizeof hi);
+    return lo + hi;
+}
+
+/* q . k for four K rows, D a multiple of 16: the same as dot4 in 16-float vectors. */
+static inline void dot4x16(const float *q, const float *k0, const float *k1, const float *k2, const float *k3, int D,
+                           float *out) {
+    v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    for (int d = 0; d < D; d += 16) {
+        const v16 qv = *(const v16 *)(q + d);
+        a0 += qv * *(const v16 *)(k0 + d);
+        a1 += qv * *(const v16 *)(k1 + d);
+        a2 += qv * *(const v16 *)(k2 + d);
+        a3 += qv * *(const v16 *)(k3 + d);
+    }
+    hsum8x4(fold16(a0), fold16(a1), fold16(a2), fold16(a3), out);
+}
+
 /* attend() for a unit of several KV heads (a whole sequence, when there are at least as
  * many sequences as threads). Slot-major: each slot's K (then V) row of these heads is
- * read once, contiguously, for all of their query heads: with long contexts the unit is
- * bound by memory, and one contiguous stream is faster than per-KV-head passes like
- * attend()'s (strided reads of a part of each row). Head dims that are multiples of 8
- * (all the models we run) take the vector path; others the scalar loops. */
+ * read once, contiguously, for all of their query heads, and the next block's rows are
+ * prefetched while a block is in use: with long contexts the unit is bound by memory.
+ * Scores four slots at a time (one horizontal-sum tree per four), the V rows weighted
+ * into the heads' accumulators. Head dims that are multiples of 16 take 16-float
+ * vectors, other multiples of 8 take 8-float ones; the rest scalar loops. */
 static void attend_slots(const tg_decode_args *a, int b, int h0, int h1) {
     const int KV = a->kv_heads, D = a->head_dim, bs = a->block_size;
     const int G = a->heads / KV, NQ = (h1 - h0) * G; /* query heads handled here */
     const int L = a->ctx[b];
-    const int64_t row = (int64_t)KV * D;
+    const int64_t row = (int64_t)KV * D, ws = a->work_stride;
+    const int64_t bytes = (int64_t)bs * row * 4 - (int64_t)(KV - (h1 - h0)) * D * 4; /* a block's rows, these heads */
     const int32_t *table = a->tables + (int64_t)a->rows[b] * a->table_stride;
     const float *qsrc = a->q + (int64_t)b * a->q_stride + (int64_t)h0 * G * D;
-    float *scores = a->work + ((int64_t)b * a->heads + (int64_t)h0 * G) * a->work_stride;
-    float q[NQ * D], acc[NQ * D], mx[NQ], sum[NQ];
+    float *scores = a->work + ((int64_t)b * a->heads + (int64_t)h0 * G) * ws;
+    float q[NQ * D], acc[NQ * D], sum[NQ];
     for (int i = 0; i < NQ * D; i++) {
         q[i] = qsrc[i] * a->scale;
         acc[i] = 0.f;
     }
-    for (int i = 0; i < NQ; i++) mx[i] = -FLT_MAX; /* finite: built with -ffast-math */
-    const int vec = D % 8 == 0;
+    const int v16ok = D % 16 == 0, v8ok = D % 8 == 0;
     for (int j0 = 0; j0 < L; j0 += bs) {
         const float *base = a->pool + (int64_t)table[j0 / bs] * a->blk_stride + (int64_t)h0 * D;
         const int n = L - j0 < bs ? L - j0 : bs;
-        for (int s = 0; s < n; s++) {
+        const float *next = j0 + bs < L ? a->pool + (int64_t)table[j0 / bs + 1] * a->blk_stride + (int64_t)h0 * D : NULL;
+        int s = 0;
+        if (v16ok)
+            for (; s + 4 <= n; s += 4) {
+                const float *k = base + s * row;
+                if (next)
+                    for (int r = s; r < s + 4; r++) prefetch_share(next, bytes, r, bs);
+                for (int i = 0; i < NQ; i++) {
+                    const int64_t off = (int64_t)(i / G) * D;
+                    dot4x16(q + i * D, k + off, k + row + off, k + 2 * row + off, k + 3 * row + off, D,
+                            scores + i * ws + j0 + s);
+                }
+            }
+        for (; s < n; s++) {
             const float *krow = base + s * row;
+            if (next) prefetch_share(next, bytes, s, bs);
             for (int i = 0; i < NQ; i++) {
                 const float *k = krow + (i / G) * D, *qi = q + i * D;
                 float dot;
-                if (vec) {
-                    v8 x0 = {0}, x1 = {0};
-                    int d = 0;
-                    for (; d + 16 <= D; d += 16) {
-                        x0 += *(const v8 *)(qi + d) * *(const v8 *)(k + d);
-                        x1 += *(const v8 *)(qi + d + 8) * *(const v8 *)(k + d + 8);
-                    }
-                    if (d < D) x0 += *(const v8 *)(qi + d) * *(const v8 *)(k + d);
-                    dot = hsum8(x0 + x1);
+                if (v8ok) {
+                    dot = dot1(qi, k, D);
                 } else {
                     dot = 0.f;
                     for (int d = 0; d < D; d++) dot += qi[d] * k[d];
                 }
-                scores[(int64_t)i * a->work_stride + j0 + s] = dot;
-                if (dot > mx[i]) mx[i] = dot;
+                scores[(int64_t)i * ws + j0 + s] = dot;
             }
         }
     }
     for (int i = 0; i < NQ; i++) {
-        float *si = scores + (int64_t)i * a->work_stride;
-        float s = 0.f;
-        const float m = mx[i];
+        float *si = scores + (int64_t)i * ws;
+        float m = -FLT_MAX, s = 0.f; /* finite: built with -ffast-math */
+        for (int j = 0; j < L; j++) m = si[j] > m ? si[j] : m;
 #pragma omp simd reduction(+ : s)
         for (int j = 0; j < L; j++) {
             si[j] = expf(si[j] - m);
@@ -155,16 +195,20 @@ static void attend_slots(const tg_decode_args *a, int b, int h0, int h1) {
         sum[i] = s;
     }
     for (int j0 = 0; j0 < L; j0 += bs) {
-        const float *base =
-            a->pool + (int64_t)table[j0 / bs] * a->blk_stride + a->v_offset + (int64_t)h0 * D;
+        const float *base = a->pool + (int64_t)table[j0 / bs] * a->blk_stride + a->v_offset + (int64_t)h0 * D;
         const int n = L - j0 < bs ? L - j0 : bs;
+        const float *next =
+            j0 + bs < L ? a->pool + (int64_t)table[j0 / bs + 1] * a->blk_stride + a->v_offset + (int64_t)h0 * D : NULL;
         for (int s = 0; s < n; s++) {
             const float *vrow = base + s * row;
+            if (next) prefetch_share(next, bytes, s, bs);
             for (int i = 0; i < NQ; i++) {
-                const float p = scores[(int64_t)i * a->work_stride + j0 + s];
+                const float p = scores[(int64_t)i * ws + j0 + s];
                 const float *v = vrow + (i / G) * D;
                 float *o = acc + i * D;
-                if (vec) {
+                if (v16ok) {
+                    for (int d = 0; d < D; d += 16) *(v16 *)(o + d) += p * *(const v16 *)(v + d);
+                } else if (v8ok) {
                     for (int d = 0; d < D; d += 8) *(v8 *)(o + d) += p * *(const v8 *)(v + d);
                 } else {
                     for (int d = 0; d < D; d++) o[d] += p * v[d];
@@ -208,11 +252,15 @@ void attend(const tg_decode_args *a, int b, int h0, int h1) {
     for (int j0 = 0; j0 < L; j0 += bs) {
         const float *k = a->pool + (int64_t)table[j0 / bs] * a->blk_stride + head_off;
         const int n = L - j0 < bs ? L - j0 : bs;
+        const float *next = j0 + bs < L ? a->pool + (int64_t)table[j0 / bs + 1] * a->blk_stride + head_off : NULL;
         int s = 0;
         if (vec)
-            for (; s + 4 <= n; s += 4, k += 4 * row)
+            for (; s + 4 <= n; s += 4, k += 4 * row) {
+                if (next) /* this head's part of the next block's rows s .. s + 3 */
+                    for (int r = s; r < s + 4; r++) prefetch_share(next + r * row, (int64_t)D * 4, 0, 1);
                 for (int g = 0; g < G; g++)
                     dot4(q + g * D, k, k + row, k + 2 * row, k + 3 * row, D, scores + g * ws + j0 + s);
+            }
         for (; s < n; s++, k += row)
             for (int g = 0; g < G; g++) scores[g * ws + j0 + s] = dot1(q + g * D, k, D);
     }
@@ -234,6 +282,10 @@ void attend(const tg_decode_args *a, int b, int h0, int h1) {
                 v8 acc[TG_PV_HEADS] = {{0}};
                 for (int j0 = 0; j0 < L; j0 += bs) {
                     const float *v = a->pool + (int64_t)table[j0 / bs] * a->blk_stride + a->v_offset + head_off + d0;
+                    if (g0 == 0 && d0 == 0 && j0 + bs < L) /* the first pass reads the V rows from memory */
+                        for (int r = 0; r < bs; r++)
+                            prefetch_share(a->pool + (int64_t)table[j0 / bs + 1] * a->blk_stride + a->v_offset +
+                                               head_off + r * row, (int64_t)D * 4, 0, 1);
                     pv_heads(scores + g0 * ws + j0, ws, v, row, L - j0 < bs ? L - j0 : bs, nh, acc);
                 }
                 for (int h = 0; h < nh; h++) *(v8 *)(o + (int64_t)(g0 + h) * D + d0) = acc[h] * inv[g0 + h];
@@ -263,7 +315,6 @@ void attend(const tg_decode_args *a, int b, int h0, int h1) {
  * P.V run as register tiles of full-width multiply-adds, no horizontal sums.
  * Needs D % 16 == 0 (chunk_ok); 16-float vectors of GCC's vector extensions, which the
  * compiler splits into halves or quarters on CPUs without AVX-512. */
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
 #if defined(__AVX512F__)
 #define TG_QT 8  /* query vectors per score tile (x 2 key vectors) */
 #define TG_OT 6  /* query vectors per output tile (x D / 16 vectors) */

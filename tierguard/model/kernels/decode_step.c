@@ -202,7 +202,8 @@ static void unit(const tg_decode_args *a, const float *cos, const float *sin, in
 
 /* The attention of a step with prefill rows, as units: a run of rows of one sequence at
  * consecutive positions (a prefill chunk) in blocks of TG_CHUNK_ROWS rows per KV head
- * (attend_chunk), and every other row per KV head (attend). Returns the count. */
+ * (attend_chunk), and every other row (a decode) as one unit of all its KV heads
+ * (h = -1: attend_slots reads each slot's row once for all heads). Returns the count. */
 #define TG_CHUNK_ROWS 16
 typedef struct {
     int32_t b0, n, h;
@@ -214,6 +215,11 @@ static int64_t att_units(const tg_decode_args *a, att_unit *out) {
     for (int b0 = 0; b0 < B;) {
         int b1 = b0 + 1;
         while (chunks && b1 < B && a->rows[b1] == a->rows[b0] && a->ctx[b1] == a->ctx[b1 - 1] + 1) b1++;
+        if (b1 == b0 + 1) { /* a decode: one unit of all its heads (each slot's row read once) */
+            out[count++] = (att_unit){b0, 1, -1};
+            b0 = b1;
+            continue;
+        }
         for (int h = 0; h < a->kv_heads; h++)
             for (int r = b0; r < b1; r += TG_CHUNK_ROWS)
                 out[count++] = (att_unit){r, b1 - r < TG_CHUNK_ROWS ? b1 - r : TG_CHUNK_ROWS, h};
@@ -290,6 +296,10 @@ int tg_decode_step(const tg_step_args *s) {
 #pragma omp for schedule(dynamic, 1)
                 for (int64_t i = 0; i < nunits; i++) {
                     const att_unit *w = units + i;
+                    if (w->h < 0) {
+                        attend(&u, w->b0, 0, KV);
+                        continue;
+                    }
                     if (w->n > 1 && attend_chunk(&u, w->b0, w->n, w->h) == 0) continue;
                     for (int r = 0; r < w->n; r++) attend(&u, w->b0 + r, w->h, w->h + 1);
                 }
