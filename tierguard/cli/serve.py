@@ -216,8 +216,8 @@ def run(args: argparse.Namespace) -> int:
     engine = AsyncLLMEngine.from_model_dir(model_dir, model_name=model_name, **kwargs)
     # What is loaded now lives as long as the server: collected once, then frozen, the
     # collector's full passes skip it. Why: with a model loaded a full pass walks ~10^5
-    # objects while holding the GIL, so every stream's next token waits for it, and
-    # serving's own allocations start one every few seconds.
+    # objects while holding the GIL, so every stream's next token waits for it whenever
+    # enough of serving's own allocations survive to start one.
     gc.collect()
     gc.freeze()
     return asyncio.run(_serve(engine, args, model_name))

@@ -106,42 +106,19 @@ static inline void prefetch_share(const float *next, int64_t bytes, int s, int n
         __builtin_prefetch((const char *)next + l * 64, 0, 3);
 }
 
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-
-static inline v8 fold16(v16 v) { /* the two halves' sum: 8 lanes */
-    v8 lo, hi;
-    memcpy(&lo, &v, sizeof lo);
-    memcpy(&hi, (const char *)&v + sizeof lo, sizeof hi);
-    return lo + hi;
-}
-
-/* q . k for four K rows, D a multiple of 16: the same as dot4 in 16-float vectors. */
-static inline void dot4x16(const float *q, const float *k0, const float *k1, const float *k2, const float *k3, int D,
-                           float *out) {
-    v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-    for (int d = 0; d < D; d += 16) {
-        const v16 qv = *(const v16 *)(q + d);
-        a0 += qv * *(const v16 *)(k0 + d);
-        a1 += qv * *(const v16 *)(k1 + d);
-        a2 += qv * *(const v16 *)(k2 + d);
-        a3 += qv * *(const v16 *)(k3 + d);
-    }
-    hsum8x4(fold16(a0), fold16(a1), fold16(a2), fold16(a3), out);
-}
-
 /* attend() for a unit of several KV heads (a whole sequence, when there are at least as
  * many sequences as threads). Slot-major: each slot's K (then V) row of these heads is
  * read once, contiguously, for all of their query heads, and the next block's rows are
  * prefetched while a block is in use: with long contexts the unit is bound by memory.
- * Scores four slots at a time (one horizontal-sum tree per four), the V rows weighted
- * into the heads' accumulators. Head dims that are multiples of 16 take 16-float
- * vectors, other multiples of 8 take 8-float ones; the rest scalar loops. */
+ * Scores four slots at a time (dot4: one horizontal-sum tree per four), the V rows
+ * weighted into the heads' accumulators. Head dims that are multiples of 8 (all the
+ * models we run) take the vector path; others the scalar loops. */
 static void attend_slots(const tg_decode_args *a, int b, int h0, int h1) {
     const int KV = a->kv_heads, D = a->head_dim, bs = a->block_size;
     const int G = a->heads / KV, NQ = (h1 - h0) * G; /* query heads handled here */
     const int L = a->ctx[b];
     const int64_t row = (int64_t)KV * D, ws = a->work_stride;
-    const int64_t bytes = (int64_t)bs * row * 4 - (int64_t)(KV - (h1 - h0)) * D * 4; /* a block's rows, these heads */
+    const int64_t bytes = ((int64_t)(bs - 1) * row + (int64_t)(h1 - h0) * D) * 4; /* a block's span of these heads */
     const int32_t *table = a->tables + (int64_t)a->rows[b] * a->table_stride;
     const float *qsrc = a->q + (int64_t)b * a->q_stride + (int64_t)h0 * G * D;
     float *scores = a->work + ((int64_t)b * a->heads + (int64_t)h0 * G) * ws;
@@ -150,21 +127,21 @@ static void attend_slots(const tg_decode_args *a, int b, int h0, int h1) {
         q[i] = qsrc[i] * a->scale;
         acc[i] = 0.f;
     }
-    const int v16ok = D % 16 == 0, v8ok = D % 8 == 0;
+    const int vec = D % 8 == 0;
     for (int j0 = 0; j0 < L; j0 += bs) {
         const float *base = a->pool + (int64_t)table[j0 / bs] * a->blk_stride + (int64_t)h0 * D;
         const int n = L - j0 < bs ? L - j0 : bs;
         const float *next = j0 + bs < L ? a->pool + (int64_t)table[j0 / bs + 1] * a->blk_stride + (int64_t)h0 * D : NULL;
         int s = 0;
-        if (v16ok)
+        if (vec)
             for (; s + 4 <= n; s += 4) {
                 const float *k = base + s * row;
                 if (next)
                     for (int r = s; r < s + 4; r++) prefetch_share(next, bytes, r, bs);
                 for (int i = 0; i < NQ; i++) {
                     const int64_t off = (int64_t)(i / G) * D;
-                    dot4x16(q + i * D, k + off, k + row + off, k + 2 * row + off, k + 3 * row + off, D,
-                            scores + i * ws + j0 + s);
+                    dot4(q + i * D, k + off, k + row + off, k + 2 * row + off, k + 3 * row + off, D,
+                         scores + i * ws + j0 + s);
                 }
             }
         for (; s < n; s++) {
@@ -173,7 +150,7 @@ static void attend_slots(const tg_decode_args *a, int b, int h0, int h1) {
             for (int i = 0; i < NQ; i++) {
                 const float *k = krow + (i / G) * D, *qi = q + i * D;
                 float dot;
-                if (v8ok) {
+                if (vec) {
                     dot = dot1(qi, k, D);
                 } else {
                     dot = 0.f;
@@ -206,9 +183,7 @@ static void attend_slots(const tg_decode_args *a, int b, int h0, int h1) {
                 const float p = scores[(int64_t)i * ws + j0 + s];
                 const float *v = vrow + (i / G) * D;
                 float *o = acc + i * D;
-                if (v16ok) {
-                    for (int d = 0; d < D; d += 16) *(v16 *)(o + d) += p * *(const v16 *)(v + d);
-                } else if (v8ok) {
+                if (vec) {
                     for (int d = 0; d < D; d += 8) *(v8 *)(o + d) += p * *(const v8 *)(v + d);
                 } else {
                     for (int d = 0; d < D; d++) o[d] += p * v[d];
@@ -315,6 +290,7 @@ void attend(const tg_decode_args *a, int b, int h0, int h1) {
  * P.V run as register tiles of full-width multiply-adds, no horizontal sums.
  * Needs D % 16 == 0 (chunk_ok); 16-float vectors of GCC's vector extensions, which the
  * compiler splits into halves or quarters on CPUs without AVX-512. */
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
 #if defined(__AVX512F__)
 #define TG_QT 8  /* query vectors per score tile (x 2 key vectors) */
 #define TG_OT 6  /* query vectors per output tile (x D / 16 vectors) */
