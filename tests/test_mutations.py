@@ -284,6 +284,21 @@ MUTANTS = [
         ("tests/predict/test_noise_terms.py::test_calibrated_delivery_noise_raises_the_itl_p99_and_keeps_its_median",),
     ),
     Mutant(
+        "predict: successive simulated steps drawn independently (a slow run of steps averages away)",
+        "tierguard/predict/simengine.py",
+        "u=self.noise.next() if self.noise is not None else None)",
+        "u=None)",
+        ("tests/predict/test_noise_terms.py::test_step_noise_keeps_the_measured_correlation_of_successive_steps",),
+    ),
+    Mutant(
+        "predict: every replica of a cell sends the first replica's prompts",
+        "tierguard/predict/predictor.py",
+        "repeat=r + k * REPLICA_STRIDE)",
+        "repeat=r)",
+        ("tests/predict/test_replicas.py::test_each_replica_sends_its_own_prompts_and_the_first_is_written",),
+        slow=True,
+    ),
+    Mutant(
         "bf16 kernel: activations truncated to bfloat16, not rounded to nearest",
         C_KERNELS,
         "u += 0x7fffu + ((u >> 16) & 1u);",

@@ -115,3 +115,62 @@ def test_the_compute_probe_drops_the_kv_budget_and_tiers_only():
     assert tail == ["--model", "tiny", "--kv-dtype", "fp8", "--target-itl-ms", "50", "--port", "{port}",
                     "--step-log", "{workdir}/steps.jsonl"]
     assert json.dumps(argv)  # plain strings
+
+
+def test_the_step_log_fit_measures_how_successive_steps_move_together():
+    # decode steps whose slowness persists (an AR(1) in log time), a few prefill chunks
+    # among them: the fit keeps the lag-1 correlation for the simulation to replay
+    from tierguard.predict.calibrate import fit_step_log
+
+    rng, z, t, steps = np.random.default_rng(2), 0.0, 100.0, []
+    for i in range(800):
+        z = 0.8 * z + 0.6 * rng.normal()
+        rows = 1 + i % 8
+        chunk = 64 if i % 20 == 0 else 0
+        d = (1.0 + 0.4 * rows + 0.05 * chunk) / 1e3 * float(np.exp(0.3 * z))
+        steps.append({"started": t, "duration": d, "token_rows": rows, "token_row_keys": rows * 200,
+                      "chunks": int(chunk > 0), "chunk_tokens": chunk, "chunk_keys": chunk * 100, "sampled": rows})
+        t += d + 1e-4
+    runs = [ProbeRun("ramp", 512, 8, 100.0, 100.0, t, [])]
+    cost, _client, _band = fit_step_log({"fused_max_rows": 0}, steps, runs)
+    assert 0.6 < cost.rho < 0.95
+    shuffled = [dict(s, started=100.0 + k) for k, s in enumerate(rng.permutation(steps))]
+    assert fit_step_log({"fused_max_rows": 0}, shuffled, [ProbeRun("ramp", 512, 8, 100.0, 100.0, 1e4, [])])[0].rho < 0.15
+
+
+def test_delivery_probes_feed_the_client_latencies_and_stay_out_of_the_step_fit():
+    from tierguard.predict.calibrate import ProbePlan, fit_step_log, probe_jobs
+    from tierguard.sweep.matrix import parse_matrix
+
+    m = parse_matrix({"name": "p", "variants": [{"name": "x", "base_url": "http://127.0.0.1:1"}],
+                      "profile": {"context_lengths": [1024], "output_len": 32}, "slo": {"p99_ttft_ms": 1, "p99_itl_ms": 1}})
+    plan = ProbePlan.for_matrix(m, 1088)
+    delivery = [j for j in probe_jobs(plan) if j[0] == "delivery"]
+    assert delivery == [("delivery", 128, 1, 4, 128)]
+    assert ProbePlan.for_matrix(m, 100).delivery_output_len == 84  # what the model length leaves
+    # ramp steps of 2 ms, then a delivery request whose steps are 50 ms: the fit must not
+    # see them, the client's latencies must
+    steps, t = [], 100.0
+    for _ in range(40):
+        steps.append({"started": t, "duration": 0.002, "token_rows": 2, "token_row_keys": 400, "chunks": 0,
+                      "chunk_tokens": 0, "chunk_keys": 0, "sampled": 2})
+        t += 0.0021
+    for i in range(5):
+        steps.append({"started": t, "duration": 0.02, "token_rows": 0, "token_row_keys": 0, "chunks": 1,
+                      "chunk_tokens": 64 + i, "chunk_keys": 64 * 64, "sampled": 0})
+        t += 0.0201
+    ramp_end, dstart = t, t + 0.01
+    t = dstart + 0.001
+    made = []
+    for _ in range(6):
+        steps.append({"started": t, "duration": 0.05, "token_rows": 1, "token_row_keys": 100, "chunks": 0,
+                      "chunk_tokens": 0, "chunk_keys": 0, "sampled": 1})
+        made.append(t + 0.05)
+        t += 0.051
+    rec = RequestRecord(0, sent_s=0.0, scheduled_s=0.0, chunk_times_s=[x + 0.003 - dstart for x in made],
+                        chunk_tokens=[1] * 6, status=OK)
+    runs = [ProbeRun("ramp", 512, 2, 100.0, 100.0, ramp_end, []), ProbeRun("delivery", 128, 1, dstart, dstart, t, [rec])]
+    cost, client, _band = fit_step_log({"fused_max_rows": 0}, steps, runs)
+    one = StepShape(token_rows=1, token_row_keys=100, sampled=1)
+    assert cost.step_seconds(one) < 0.01  # the 50 ms steps were left out
+    assert client.deliver_samples_s == pytest.approx([0.003] * 5)

@@ -124,3 +124,59 @@ def test_media_probe_times_every_route_with_the_tiers_own_classes(tmp_path):
     assert set(cost.routes) == set(ROUTES)
     for name in ("naive_spill", "naive_respill", "naive_restore", "host_to_disk"):
         assert cost.routes[name].seconds(1) > 0
+
+
+def ar1_decode_steps(rho: float, n: int = 600, seed: int = 5) -> tuple[list, list[float]]:
+    """Decode steps of 1-8 rows whose log noise is an AR(1) with correlation `rho`."""
+    from tierguard.engine.api import StepShape
+
+    rng = np.random.default_rng(seed)
+    shapes, secs, z = [], [], 0.0
+    for _ in range(n):
+        rows = int(rng.integers(1, 9))
+        z = rho * z + np.sqrt(1 - rho * rho) * rng.normal()
+        shapes.append(StepShape(token_rows=rows, token_row_keys=rows * 100, sampled=rows))
+        secs.append((1.0 + 0.5 * rows) / 1e3 * float(np.exp(0.3 * z)))
+    return shapes, secs
+
+
+def test_step_noise_keeps_the_measured_correlation_of_successive_steps():
+    # a slow step is followed by more: the fit measures it and the simulated engine
+    # replays it, each step still drawn from the measured residuals
+    from types import SimpleNamespace
+
+    from tierguard.engine.api import StepShape
+    from tierguard.predict.costmodel import REGIME_FEATURES, Linear, StepCost
+    from tierguard.predict.simengine import SimRunner
+
+    def fit(shapes, secs) -> StepCost:
+        return StepCost({"decode": Linear.fit(REGIME_FEATURES["decode"], shapes, secs)})
+
+    shapes, secs = ar1_decode_steps(0.7)
+    cost = fit(shapes, secs)
+    cost.rho = cost.residual_correlation(shapes, secs)
+    assert 0.55 < cost.rho < 0.85
+    assert StepCost.from_json(cost.to_json()).rho == cost.rho
+    shapes0, secs0 = ar1_decode_steps(0.0)
+    assert fit(shapes0, secs0).residual_correlation(shapes0, secs0) < 0.15
+
+    vm, _ = one_stream_model(ClientTiming())
+    batch = [SimpleNamespace(seq=SimpleNamespace(num_computed_tokens=99), num_tokens=1, samples=True)] * 4
+
+    def durations(c: StepCost) -> np.ndarray:
+        runner = SimRunner(vm.spec, c, SimClock(), np.random.default_rng(1), 1.0)
+        out = []
+        for _ in range(3000):
+            before = runner.clock.now
+            runner.run(batch)
+            out.append(runner.clock.now - before)
+        return np.asarray(out)
+
+    d = durations(cost)
+    assert np.corrcoef(np.log(d[:-1]), np.log(d[1:]))[0, 1] > 0.5
+    mean = cost.step_seconds(StepShape.of(batch))
+    assert np.mean(d) == pytest.approx(mean, rel=0.05)  # the marginal is the residuals'
+    cost.rho = 0.0
+    d0 = durations(cost)
+    assert abs(np.corrcoef(np.log(d0[:-1]), np.log(d0[1:]))[0, 1]) < 0.1
+    assert np.mean(d0) == pytest.approx(mean, rel=0.05)

@@ -27,6 +27,7 @@ this machine (CPU model and count) and tierguard's version.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -37,12 +38,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import NormalDist
 
 import numpy as np
 
 from tierguard.common.errors import TierguardError
 from tierguard.engine.api import StepShape
-from tierguard.predict.costmodel import REGIME_FEATURES, Linear, StepCost, fit_relative
+from tierguard.predict.costmodel import REGIME_FEATURES, Linear, StepCost, fit_relative, lag1_correlation
 from tierguard.predict.driver import ClientTiming
 from tierguard.predict.engines import (
     EngineCommand,
@@ -57,7 +59,7 @@ from tierguard.sweep.matrix import Matrix, Variant
 Log = Callable[[str], None]
 BAND_FLOOR = 0.05  # the smallest uncertainty band: +-5 % on every cost
 BAND_CEILING = 0.5
-CALIBRATION_VERSION = 2
+CALIBRATION_VERSION = 3
 MAX_DELIVER_SAMPLES = 1000  # per-token delivery latencies kept (a random subsample beyond)
 
 
@@ -91,12 +93,17 @@ class ProbePlan:
     ramp_concurrency: list[int]
     output_len: int
     single_repeats: int = 2
+    # Longer single requests at the shortest length: the delivery distribution's samples.
+    # Its tail sets the one-stream p99 and a few hundred tokens leave it to chance.
+    delivery_requests: int = 4
+    delivery_output_len: int = 128
 
     @classmethod
     def for_matrix(cls, matrix: Matrix, max_model_len: int | None = None, ramp: list[int] | None = None,
                    output_len: int | None = None) -> ProbePlan:
-        """Single requests at C/8, C/2 and C (C: the matrix's longest context), a ramp at
-        C/2 up to 8 streams (or the ladder's top, if lower)."""
+        """Single requests at C/8, C/2 and C (C: the matrix's longest context), four more at
+        C/8 with 128 output tokens, a ramp at C/2 up to 8 streams (or the ladder's top, if
+        lower)."""
         out = output_len or min(matrix.profile.output_len, 32)
         top = max(matrix.profile.context_lengths)
         if max_model_len:
@@ -104,7 +111,8 @@ class ProbePlan:
         lengths = sorted({max(16, top // 8), max(16, top // 2), top})
         ladder_top = max(matrix.slices.ladder)
         ramp = ramp or [c for c in (2, 4, 8) if c <= max(2, ladder_top)]
-        return cls(lengths, max(16, top // 2), ramp, out)
+        delivery = min(128, max_model_len - lengths[0]) if max_model_len else 128
+        return cls(lengths, max(16, top // 2), ramp, out, delivery_output_len=max(out, delivery))
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -174,7 +182,7 @@ class Cache:
 
 @dataclass
 class ProbeRun:
-    phase: str  # "single" or "ramp"
+    phase: str  # "single", "delivery" (single requests kept for the client's latencies) or "ramp"
     context: int
     concurrency: int
     t0: float  # CLOCK_MONOTONIC of the run's start
@@ -183,18 +191,26 @@ class ProbeRun:
     records: list  # RequestRecord
 
 
+def probe_jobs(plan: ProbePlan, tiny_first: bool = False) -> list[tuple[str, int, int, int, int]]:
+    """The probe runs in order: (phase, prompt tokens, concurrency, requests, output tokens)."""
+    out = plan.output_len
+    jobs = [("warm-up", 16, 1, 1, out)]  # first requests find cold caches and lazy set-up: not kept
+    jobs += [("single", n, 1, plan.single_repeats, out) for n in ([16] if tiny_first else []) + plan.single_lengths]
+    if plan.delivery_requests:
+        jobs += [("delivery", plan.single_lengths[0], 1, plan.delivery_requests, plan.delivery_output_len)]
+    jobs += [("ramp", plan.ramp_context, c, 2 * c, out) for c in plan.ramp_concurrency]
+    return jobs
+
+
 def run_probes(base_url: str, model: str | None, endpoint: str, tokenizer: str | None, plan: ProbePlan,
                timeout_s: float, log: Log, tiny_first: bool = False) -> list[ProbeRun]:
     from tierguard.bench.config import BenchConfig
     from tierguard.bench.runner import run_bench
 
     runs = []
-    jobs = [("warm-up", 16, 1, 1)]  # first requests find cold caches and lazy set-up: not kept
-    jobs += [("single", n, 1, plan.single_repeats) for n in ([16] if tiny_first else []) + plan.single_lengths]
-    jobs += [("ramp", plan.ramp_context, c, 2 * c) for c in plan.ramp_concurrency]
-    for i, (phase, ctx, c, n) in enumerate(jobs):
+    for i, (phase, ctx, c, n, out_len) in enumerate(probe_jobs(plan, tiny_first)):
         cfg = BenchConfig(base_url=base_url, endpoint=endpoint, model=model, dataset="fixed", input_len=ctx,
-                          output_len=plan.output_len, max_concurrency=c, num_requests=n, seed=1000 + i,
+                          output_len=out_len, max_concurrency=c, num_requests=n, seed=1000 + i,
                           tokenizer=tokenizer, show_progress=False, timeout=timeout_s, ignore_eos=True,
                           temperature=0.0, max_send_lateness_ms=1e9, max_loop_lag_ms=1e9, max_client_cpu_util=1e9)
         res = run_bench(cfg)
@@ -234,7 +250,11 @@ def fit_step_log(header: dict, steps: list[dict], runs: list[ProbeRun]) -> tuple
     """The step cost, the client's latencies and the band from probes and their steps."""
     first = min(r.start for r in runs)
     steps = sorted((s for s in steps if s["started"] >= first - 1e-3), key=lambda s: s["started"])
-    busy = [s for s in steps if s["token_rows"] + s["chunk_tokens"] > 0]
+    # the delivery probes only measure the client's side: their steps (one stream, one
+    # short context, many of them) would weigh the fit toward a shape the others cover
+    delivery_windows = [(r.start, r.end) for r in runs if r.phase == "delivery"]
+    busy = [s for s in steps if s["token_rows"] + s["chunk_tokens"] > 0
+            and not any(lo <= s["started"] <= hi for lo, hi in delivery_windows)]
     if len(busy) < 10:
         raise TierguardError(f"calibration: only {len(busy)} steps were logged during the probes")
     ramp_windows = [(r.start, r.end) for r in runs if r.phase == "ramp"]
@@ -245,10 +265,11 @@ def fit_step_log(header: dict, steps: list[dict], runs: list[ProbeRun]) -> tuple
     if raw:
         med = statistics.median(g for _, g in raw)
         gaps = [(n, g) for n, g in raw if 0 <= g <= max(0.005, 5 * med)]
-    cost = StepCost.fit([shape_of(s) for s in busy], [s["duration"] for s in busy],
-                        int(header.get("fused_max_rows", 0)), gaps)
-    client = client_timing(steps, [r for r in runs if r.phase == "single"])
-    return cost, client, band_of(cost, busy, runs)
+    shapes, seconds = [shape_of(s) for s in busy], [s["duration"] for s in busy]
+    cost = StepCost.fit(shapes, seconds, int(header.get("fused_max_rows", 0)), gaps)
+    cost.rho = cost.residual_correlation(shapes, seconds)
+    client = client_timing(steps, [r for r in runs if r.phase in ("single", "delivery")])
+    return cost, client, band_of(cost, busy, [r for r in runs if r.phase != "delivery"])
 
 
 def client_timing(steps: list[dict], singles: list[ProbeRun]) -> ClientTiming:
@@ -406,6 +427,8 @@ def fit_black_box(runs: list[ProbeRun], policy: Policy) -> tuple[StepCost, Clien
     residuals = []
     for shape, itl in res_runs:
         residuals += np.log(np.maximum(itl, 1e-6) / decode.mean(shape)).tolist()
+    ranks = np.argsort(np.argsort(residuals)) if residuals else []
+    scores = [NormalDist().inv_cdf((float(k) + 0.5) / len(residuals)) for k in ranks]
     if residuals:
         arr = np.asarray(residuals)
         arr -= np.log(np.mean(np.exp(arr)))
@@ -430,7 +453,7 @@ def fit_black_box(runs: list[ProbeRun], policy: Policy) -> tuple[StepCost, Clien
     coef = fit_relative(a / scale, y) / scale
     lag, pf, p1, p2 = (float(c) for c in coef)
     chunk = Linear(REGIME_FEATURES["chunk"], [*decode.coef, pf, p1, p2], decode.residuals, len(ys))
-    cost = StepCost({"decode": decode, "chunk": chunk}, 0, True, None)
+    cost = StepCost({"decode": decode, "chunk": chunk}, 0, True, None, lag1_correlation(scores))
     means = [float(np.mean(np.log(np.maximum(itl, 1e-6) / decode.mean(s)))) for s, itl in res_runs]
     band = min(BAND_CEILING, max(BAND_FLOOR, 2 * (statistics.pstdev(means) if len(means) > 1 else 0.0)))
     return cost, ClientTiming(lag, 0.0), round(band, 4)
@@ -440,7 +463,8 @@ def calibrate_external(matrix: Matrix, variant: Variant, workdir: Path, cache: C
                        plan: ProbePlan | None = None) -> Calibration:
     cmd = classify(variant)
     static = external_policy(cmd)
-    plan = plan or ProbePlan.for_matrix(matrix, static.max_model_len)
+    # a black box's tokens cannot be matched to its steps: no delivery samples to gather
+    plan = plan or dataclasses.replace(ProbePlan.for_matrix(matrix, static.max_model_len), delivery_requests=0)
     key = digest({"argv": cmd.argv, "env": cmd.env, "base_url": variant.base_url, "plan": plan.to_json(),
                   "machine": machine_id()})
     cached = cache.get("generic", key)

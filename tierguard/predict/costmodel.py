@@ -21,17 +21,26 @@ its error relative to the fitted time, so short decode steps are not drowned by 
 prefills, and one step that came out absurdly short cannot pull the line to zero;
 iteratively reweighted, `fit_relative`). What the
 line does not explain is kept as an empirical distribution of log residuals per regime;
-a simulated step draws one (`step_seconds(shape, rng)`), so the spread of real steps
-(noise, a loaded machine) reaches the predicted p99, not only their mean.
+a simulated step draws one, so the spread of real steps (noise, a loaded machine)
+reaches the predicted p99, not only their mean.
 
-Contract: `step_seconds` is positive for any shape with at least one row; with `rng`
-None it is the fitted mean. `to_json`/`from_json` round-trip exactly.
+Real steps are not independent draws: a slow step (another process on the cores, a
+cold cache) is followed by more slow steps, and a prefill of several chunks or a wait
+behind many steps sums such a run. `StepCost.rho` is the lag-1 correlation of the
+calibration's residuals in step order (in normal scores), and `StepNoise` replays it: a
+Gaussian AR(1) whose value, through the normal distribution function, picks the
+quantile of the regime's residuals. Each regime keeps its measured distribution
+exactly; successive steps keep the measured correlation.
+
+Contract: `step_seconds` is positive for any shape with at least one row; with neither
+`rng` nor `u` it is the fitted mean. `to_json`/`from_json` round-trip exactly.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from statistics import NormalDist
 
 import numpy as np
 
@@ -45,6 +54,8 @@ REGIME_FEATURES: dict[str, tuple[str, ...]] = {
 }
 MAX_RESIDUALS = 2000  # log residuals kept per regime (a random subsample beyond)
 MIN_SECONDS = 1e-6
+MAX_RHO = 0.95  # a fitted correlation is capped: a draw always moves
+_NORMAL = NormalDist()
 
 
 def feature(shape: StepShape, name: str) -> float:
@@ -104,6 +115,7 @@ class Linear:
     coef: list[float]
     residuals: list[float] = field(default_factory=list)
     points: int = 0
+    _ordered: list[float] | None = field(default=None, init=False, repr=False, compare=False)
 
     def mean(self, shape: StepShape) -> float:
         return max(MIN_SECONDS, sum(c * feature(shape, f) for c, f in zip(self.coef, self.features, strict=True)))
@@ -112,6 +124,18 @@ class Linear:
         if rng is None or not self.residuals:
             return 1.0
         return math.exp(self.residuals[int(rng.integers(len(self.residuals)))])
+
+    def noise_at(self, u: float) -> float:
+        """The factor at quantile `u` (0 <= u < 1) of the residuals' distribution."""
+        if not self.residuals:
+            return 1.0
+        ordered = self._sorted()
+        return math.exp(ordered[min(len(ordered) - 1, max(0, int(u * len(ordered))))])
+
+    def _sorted(self) -> list[float]:
+        if self._ordered is None or len(self._ordered) != len(self.residuals):
+            self._ordered = sorted(self.residuals)
+        return self._ordered
 
     @classmethod
     def fit(cls, features: tuple[str, ...], shapes: list[StepShape], seconds: list[float]) -> Linear:
@@ -144,6 +168,7 @@ class StepCost:
     fused_max_rows: int = 0  # 0: no fused path (decode / wide only, or an external engine)
     generic: bool = False  # external engine: regimes decode / chunk
     gap: Linear | None = None
+    rho: float = 0.0  # lag-1 correlation of successive steps' residuals (normal scores)
 
     def regime(self, shape: StepShape) -> str:
         if shape.chunks == 0:
@@ -155,9 +180,26 @@ class StepCost:
             return "fused"
         return "wide" if "wide" in self.regimes else "fused"
 
-    def step_seconds(self, shape: StepShape, rng: np.random.Generator | None = None, scale: float = 1.0) -> float:
+    def step_seconds(self, shape: StepShape, rng: np.random.Generator | None = None, scale: float = 1.0,
+                     u: float | None = None) -> float:
+        """The step's seconds: the fitted mean times a residual, at quantile `u` when
+        given (`StepNoise`), else an independent draw from `rng`, else none."""
         line = self.regimes[self.regime(shape)]
-        return line.mean(shape) * line.noise(rng) * scale
+        factor = line.noise_at(u) if u is not None else line.noise(rng)
+        return line.mean(shape) * factor * scale
+
+    def residual_correlation(self, shapes: list[StepShape], seconds: list[float]) -> float:
+        """The lag-1 correlation of these steps' residuals, in the order given, each as
+        the normal score of its rank within its regime; 0 for fewer than 10 steps."""
+        by_regime: dict[str, list[tuple[float, int]]] = {}
+        for i, (shape, t) in enumerate(zip(shapes, seconds, strict=True)):
+            name = self.regime(shape)
+            by_regime.setdefault(name, []).append((math.log(max(t, MIN_SECONDS) / self.regimes[name].mean(shape)), i))
+        scores = [0.0] * len(shapes)
+        for pts in by_regime.values():
+            for rank, (_, i) in enumerate(sorted(pts)):
+                scores[i] = _NORMAL.inv_cdf((rank + 0.5) / len(pts))
+        return lag1_correlation(scores)
 
     def gap_seconds(self, sampled: int, rng: np.random.Generator | None = None, scale: float = 1.0) -> float:
         if self.gap is None:
@@ -198,6 +240,7 @@ class StepCost:
             "fused_max_rows": self.fused_max_rows,
             "generic": self.generic,
             "gap": self.gap.to_json() if self.gap else None,
+            "rho": self.rho,
         }
 
     @classmethod
@@ -207,6 +250,7 @@ class StepCost:
             int(d.get("fused_max_rows", 0)),
             bool(d.get("generic", False)),
             Linear.from_json(d["gap"]) if d.get("gap") else None,
+            float(d.get("rho", 0.0)),
         )
 
     def describe(self) -> dict[str, dict[str, float]]:
@@ -216,3 +260,29 @@ class StepCost:
         if self.gap is not None:
             out["gap"] = {f: round(c * 1000.0, 5) for f, c in zip(self.gap.features, self.gap.coef, strict=True)}
         return out
+
+
+def lag1_correlation(values: list[float]) -> float:
+    """Pearson correlation of each value with the next, within [0, MAX_RHO] (a negative
+    one, alternation, is not something a simulated step should copy); 0 below 10 values."""
+    if len(values) < 10:
+        return 0.0
+    a = np.asarray(values, dtype=float)
+    x, y = a[:-1], a[1:]
+    if x.std() == 0 or y.std() == 0:
+        return 0.0
+    return round(float(min(MAX_RHO, max(0.0, np.corrcoef(x, y)[0, 1]))), 4)
+
+
+class StepNoise:
+    """Quantiles for a simulation's successive steps: z = rho z + sqrt(1 - rho^2) e,
+    e standard normal, and u = Phi(z). With rho 0 every step draws independently; its
+    marginal is uniform whatever rho, so each regime's residual distribution is kept."""
+
+    def __init__(self, rho: float, rng: np.random.Generator) -> None:
+        self.rho, self.rng = min(MAX_RHO, max(0.0, rho)), rng
+        self.z = float(rng.standard_normal())
+
+    def next(self) -> float:
+        self.z = self.rho * self.z + math.sqrt(1.0 - self.rho * self.rho) * float(self.rng.standard_normal())
+        return _NORMAL.cdf(self.z)

@@ -8,15 +8,26 @@ code (`judge`, the SLOs, the bootstrap), and written in the sweep's layout, so
 `tierguard report` reads a prediction as it reads a sweep; `state.json` and
 `boundary.json` carry a `predicted` section (how each variant was calibrated, the band).
 
+A cell's p99 from one simulated run is as noisy as one measured run's: at one stream
+it is the third-largest gap out of a few hundred. The prediction is meant to be the
+typical value, so every cell is simulated `REPLICAS` times (each replica a fresh set of
+prompts, as another run of the cell would send), and its verdict carries, per metric,
+the median replica's p99; it passes when every median is within its limit, and is
+`confident` when every replica agreed (the replicas stand in for the bootstrap
+interval of a measured cell). The records written are the first replica's.
+
 The band: the whole search runs again with every cost (steps, gaps, transfers) scaled
 by 1 - band and 1 + band, the calibration's own drift between probes (calibrate.py);
 the boundary's `uncertainty.range` is then [boundary at 1 + band, boundary at 1 - band].
+Those two searches simulate one replica a cell: the band is a statement about the
+calibration's drift, coarser than a replica's noise.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,6 +61,8 @@ from tierguard.sweep.results import sample_from_record
 
 Log = Callable[[str], None]
 NOISE_SEED = 20240601
+REPLICAS = 5  # simulated runs per cell (odd: the median is one of them)
+REPLICA_STRIDE = 1000  # replica k of repeat r draws the prompts of repeat r + k x stride
 
 
 @dataclass
@@ -148,28 +161,60 @@ def workload_fingerprint(wl) -> str:
 
 
 def simulate_cell(matrix: Matrix, vm: VariantModel, sim: Simulation, spec: CellSpec, out_dir: Path | None,
-                  held_out: bool) -> CellVerdict:
-    """Run one cell (every repeat), write its bench-layout result, judge it."""
+                  held_out: bool, replicas: int = REPLICAS) -> CellVerdict:
+    """Run one cell `replicas` times (each with every repeat), write the first replica's
+    bench-layout result, judge each and combine them (`typical`)."""
     vocab = min(32000, vm.spec.model_config.vocab_size)
-    samples, fps = [], set()
-    for r in range(matrix.uncertainty.repeats):
-        wl = cell_workload(matrix, spec, vocab, repeat=r)
-        records = sim.run(wl)
-        measured = mark_phases(records, wl.config)
-        samples += [sample_from_record(rec.to_json()) for rec in measured]
-        fp = workload_fingerprint(wl)
-        fps.add(fp)
-        if out_dir is not None:
-            from tierguard.bench.results import write_run
+    unc = matrix.uncertainty.model_copy(update={"bootstrap": 0})  # the replicas are the interval
+    verdicts, fps = [], set()
+    for k in range(replicas):
+        samples = []
+        for r in range(matrix.uncertainty.repeats):
+            wl = cell_workload(matrix, spec, vocab, repeat=r + k * REPLICA_STRIDE)
+            records = sim.run(wl)
+            measured = mark_phases(records, wl.config)
+            samples += [sample_from_record(rec.to_json()) for rec in measured]
+            fp = workload_fingerprint(wl)
+            fps.add(fp)
+            if out_dir is not None and k == 0:
+                from tierguard.bench.results import write_run
 
-            summary = summarize(measured, wl.config.slo)
-            summary.update(predicted=True, profile_fingerprint=fp)
-            write_run(out_dir / f"r{r}", summary, {"config": wl.config.to_json(), "profile_fingerprint": fp,
-                                                   "predicted": True, "held_out": held_out, "model": vm.name},
-                      records)
-        sim.pause()
+                summary = summarize(measured, wl.config.slo)
+                summary.update(predicted=True, profile_fingerprint=fp)
+                write_run(out_dir / f"r{r}", summary, {"config": wl.config.to_json(), "profile_fingerprint": fp,
+                                                       "predicted": True, "held_out": held_out, "model": vm.name},
+                          records)
+            sim.pause()
+        verdicts.append(judge(spec, samples, matrix.slo, unc, fingerprint=fp))
     assert len(fps) == 1
-    return judge(spec, samples, matrix.slo, matrix.uncertainty, fingerprint=fps.pop())
+    return typical(verdicts, matrix)
+
+
+def typical(verdicts: list[CellVerdict], matrix: Matrix) -> CellVerdict:
+    """One verdict from a cell's replicas: per metric the median replica's p99, missed
+    where that median is over its limit, confident where every replica reached the same
+    verdict."""
+    limits = matrix.slo.limits()
+    first = verdicts[0]
+    p99 = {}
+    for metric in first.p99:
+        ordered = sorted(verdicts, key=lambda v: _value(v, metric))
+        p99[metric] = ordered[len(ordered) // 2].p99[metric]
+    missed = [m for m in p99 if m in limits and p99[m].value > limits[m]]  # NaN: nothing to judge
+    stalls = sorted(v.max_stall_ms for v in verdicts if v.max_stall_ms is not None)
+    return CellVerdict(
+        slice=first.slice, context=first.context, concurrency=first.concurrency,
+        completed=first.completed, failed=first.failed, p99=p99,
+        max_stall_ms=stalls[len(stalls) // 2] if stalls else None,
+        passed=not missed, missed=missed,
+        confident=len({v.passed for v in verdicts}) == 1,
+        error=first.error, fingerprint=first.fingerprint,
+    )
+
+
+def _value(v: CellVerdict, metric: str) -> float:
+    x = v.p99[metric].value
+    return math.inf if math.isnan(x) else x
 
 
 def ladder_of(matrix: Matrix) -> list[int]:
@@ -195,7 +240,8 @@ def predict_variant(matrix: Matrix, vm: VariantModel, out: Path | None, seed: in
 
         def run(spec: CellSpec) -> CellVerdict:
             held = spec.context not in contexts or spec.concurrency not in concs
-            v = simulate_cell(matrix, vm, sim, spec, (out / spec.key) if write else None, held)  # noqa: B023
+            v = simulate_cell(matrix, vm, sim, spec, (out / spec.key) if write else None, held,  # noqa: B023
+                              REPLICAS if k == 0 else 1)  # noqa: B023
             if k == 0:  # noqa: B023
                 result["cells"][spec.key] = (v, held)
             return v

@@ -51,7 +51,7 @@ from tierguard.kv.tiered_connector import TieredConnector
 from tierguard.kv.transfer import RouteStats, TransferResult, TransferSpec
 from tierguard.model.config import ModelConfig
 from tierguard.model.gemma3 import kv_groups
-from tierguard.predict.costmodel import StepCost
+from tierguard.predict.costmodel import StepCost, StepNoise
 from tierguard.predict.media import MediaCost
 
 TRANSFER_THREADS = 2  # TierOptions.num_threads: the transfer worker's threads
@@ -114,13 +114,15 @@ class SimRunner:
         self.compute_path = "simulated"
         self.device_pool = SimDevicePool(spec.kv_layout.block_bytes)
         self.cost, self.clock, self.rng, self.scale = cost, clock, rng, scale
+        self.noise = StepNoise(cost.rho, rng) if rng is not None else None  # successive steps' residuals
         self.weight_dtype = "auto"
         self.steps = 0
         self.busy_s = 0.0
 
     def run(self, batch: list) -> torch.Tensor:
         shape = StepShape.of(batch)
-        seconds = self.cost.step_seconds(shape, self.rng, self.scale)
+        seconds = self.cost.step_seconds(shape, self.rng, self.scale,
+                                         u=self.noise.next() if self.noise is not None else None)
         self.clock.sleep(seconds)
         self.steps += 1
         self.busy_s += seconds
