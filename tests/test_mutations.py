@@ -284,6 +284,20 @@ MUTANTS = [
         ("tests/predict/test_noise_terms.py::test_calibrated_delivery_noise_raises_the_itl_p99_and_keeps_its_median",),
     ),
     Mutant(
+        "tiers: an offload queued behind write-behind that waits for the stores' share",
+        "tierguard/kv/transfer.py",
+        "if store and holds_device:",
+        "if False:",
+        ("tests/kv/test_store_policy.py::test_an_offload_runs_while_write_behind_waits_for_the_share",),
+    ),
+    Mutant(
+        "tiers: a finished sequence's offload sent to the write-behind lane",
+        "tierguard/kv/tiered_connector.py",
+        "holds_device=True)",
+        "holds_device=False)",
+        ("tests/engine/test_tiers.py::test_a_finished_sequence_leaves_the_device_while_write_behind_waits",),
+    ),
+    Mutant(
         "predict: successive simulated steps drawn independently (a slow run of steps averages away)",
         "tierguard/predict/simengine.py",
         "u=self.noise.next() if self.noise is not None else None)",

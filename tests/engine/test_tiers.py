@@ -92,6 +92,42 @@ def test_stores_dropped_under_backpressure_break_nothing(tiny_dir, reference, tm
     assert extra(engine)["kv_stores_pending"] == 0  # close ran what was queued
 
 
+def test_a_finished_sequence_leaves_the_device_while_write_behind_waits(tiny_dir, reference, tmp_path):
+    """The stores' share is spent: writing to disk waits, but the offload to host RAM, which
+    holds device blocks until it ends, still runs, so those blocks are free again and the
+    prefix comes back from host RAM."""
+    import time
+
+    engine = make_engine(tiny_dir, kv_host_gib=0.01, kv_disk_dir=str(tmp_path), kv_disk_gib=0.05,
+                         kv_store_share=0.01)
+    try:
+        engine.connector.store_policy.charge(100.0)  # write-behind would wait hours
+
+        def answer(rid: str) -> list[int]:  # until the request ends, not the tiers' writes
+            engine.add_request(rid, PROMPTS[0], GREEDY)
+            out: list[int] = []
+            done, deadline = False, time.monotonic() + 30
+            while not done and time.monotonic() < deadline:
+                for o in engine.step():
+                    out += o.new_token_ids
+                    done = done or o.finished
+            return out
+
+        assert answer("first") == reference[0]
+        deadline = time.monotonic() + 10
+        while extra(engine)["kv_pinned_blocks"] > 0 and time.monotonic() < deadline:
+            engine.step()
+            time.sleep(0.005)
+        x = extra(engine)
+        assert x["kv_pinned_blocks"] == 0 and x["kv_offloaded_blocks"] > 0
+        assert x["kv_persisted_blocks"] == 0  # the disk write is still waiting for its share
+        engine.pool.evict_all_cached()
+        assert answer("again") == reference[0]
+        assert extra(engine)["kv_host_hits"] > 0
+    finally:
+        engine.close()
+
+
 def test_prefix_reload_from_disk_after_restart(tiny_dir, tmp_path):
     # Its own one-prompt reference, not the module's: this test is the killer of three
     # mutants in tests/test_mutations.py, each run in a fresh process.

@@ -106,3 +106,56 @@ def test_shutdown_runs_queued_stores_without_waiting_for_the_share():
     t0 = time.monotonic()
     worker.shutdown()
     assert ran.is_set() and time.monotonic() - t0 < 5
+
+
+def test_an_offload_runs_while_write_behind_waits_for_the_share():
+    """An offload holds device blocks until it ends: it must not queue behind a write-behind
+    waiting for the stores' share (a new request would find no free blocks). It is charged
+    to the share all the same."""
+    from tierguard.kv.media import BlockSpec
+    from tierguard.kv.transfer import TransferHandler, TransferSpec, TransferWorker
+
+    class Host(BlockSpec):
+        medium = "host"
+
+        def __len__(self) -> int:
+            return 1
+
+    class Disk(Host):
+        medium = "disk"
+
+    class Device(Host):
+        medium = "device"
+
+    order: list[str] = []
+
+    class Record(TransferHandler):
+        def run(self, spec, prepared):
+            sum(range(20000))  # a little CPU to charge
+            order.append(spec.route_name)
+            return [True]
+
+    class Charged(StorePolicy):
+        charges: list[float] = []
+
+        def charge(self, seconds: float) -> None:
+            self.charges.append(seconds)
+            super().charge(seconds)
+
+    policy = Charged(max_pending=4, share=0.01)
+    StorePolicy.charge(policy, 100.0)  # write-behind would wait hours for its share
+    worker = TransferWorker(1, store_policy=policy)
+    worker.register_handler(Host, Disk, Record())
+    worker.register_handler(Device, Host, Record())
+    try:
+        worker.transfer_async(1, TransferSpec(Host(), Disk()), store=True)
+        worker.transfer_async(2, TransferSpec(Device(), Host()), store=True, holds_device=True)
+        deadline = time.monotonic() + 10
+        while not order and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)
+        assert order == ["device_to_host"]
+        assert len(policy.charges) == 1  # the offload's CPU went on the stores' account
+    finally:
+        worker.shutdown()
+    assert order == ["device_to_host", "host_to_disk"]

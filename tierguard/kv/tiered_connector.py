@@ -299,7 +299,8 @@ class TieredConnector(KVConnector):
                 self.pool.acquire(b)
                 self._pins[b] += 1
             spec = TransferSpec(DeviceBlocks(in_flight), HostSlots([slot for _, slot in plan.to_store]))
-            self._submit(spec, lambda r: self._on_stored(plan, in_flight, persist, store, r), store=store)
+            self._submit(spec, lambda r: self._on_stored(plan, in_flight, persist, store, r), store=store,
+                         holds_device=True)
         elif wanted and store:
             self.store_policy.done(OFFLOAD, 0.0)
         if preempted:
@@ -346,10 +347,11 @@ class TieredConnector(KVConnector):
 
     # ---- progress ----
 
-    def _submit(self, spec: TransferSpec, on_done: Callable[[TransferResult], None], store: bool = False) -> None:
+    def _submit(self, spec: TransferSpec, on_done: Callable[[TransferResult], None], store: bool = False,
+                holds_device: bool = False) -> None:
         self._next_job += 1
         self._jobs[self._next_job] = on_done
-        self.worker.transfer_async(self._next_job, spec, store=store)
+        self.worker.transfer_async(self._next_job, spec, store=store, holds_device=holds_device)
 
     def poll(self) -> PollResult:
         for done in self.worker.get_finished():

@@ -99,10 +99,18 @@ class _Route:
 class TransferWorker:
     """Thread pool that runs transfer jobs through registered handlers.
 
-    Two lanes: promotions (loads, swap-outs) run at once on `num_threads` threads; stores
-    (`store=True`: copies nobody waits for yet) run one at a time on their own thread,
-    each only when `store_policy.allow_run()` says the lane's share of the cores is not
-    spent (store_policy.py). A store never delays a promotion.
+    Three lanes:
+      - promotions (loads, swap-outs) run at once on `num_threads` threads;
+      - stores (`store=True`: copies nobody waits for yet) run one at a time on their own
+        thread, each only when `store_policy.allow_run()` says the stores' share of the
+        cores is not spent (store_policy.py);
+      - stores that hold device blocks until they end (`holds_device=True`: a finished
+        sequence's offload to host RAM) run one at a time on a third thread and are
+        charged to the same share, but never wait for it or behind a write-behind. Their
+        source blocks cannot be reused while they wait, so a queue of them behind slow
+        disk writes would leave a new request without blocks: exactly the wait a store
+        must never cause.
+    A store never delays a promotion.
     """
 
     def __init__(
@@ -117,6 +125,7 @@ class TransferWorker:
         self.store_policy = store_policy or StorePolicy()
         self._executor = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="kv-transfer")
         self._store_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-store")
+        self._offload_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-offload")
         self._closing = threading.Event()
         self._lock = threading.Lock()
         self._finished: list[TransferResult] = []
@@ -129,9 +138,9 @@ class TransferWorker:
 
     # ---- caller side (never blocks on a transfer) ----
 
-    def transfer_async(self, job_id: int, spec: TransferSpec, store: bool = False) -> None:
-        """Enqueue a job (on the store lane when `store`). Raises ValueError for a route no
-        handler serves."""
+    def transfer_async(self, job_id: int, spec: TransferSpec, store: bool = False, holds_device: bool = False) -> None:
+        """Enqueue a job: on the store lane when `store`, on the offload lane when it also
+        `holds_device` blocks until it ends. Raises ValueError for a route no handler serves."""
         handler = self._handlers.get(spec.route)
         if handler is None:
             raise ValueError(f"unsupported transfer route {spec.route_name}")
@@ -140,7 +149,9 @@ class TransferWorker:
             if job_id in self._in_flight:
                 raise ValueError(f"transfer job {job_id} is already in flight")
             self._in_flight.add(job_id)
-        if store:
+        if store and holds_device:
+            self._offload_executor.submit(self._run_charged, job_id, spec, handler, prepared)
+        elif store:
             self._store_executor.submit(self._run_store, job_id, spec, handler, prepared)
         else:
             self._executor.submit(self._run, job_id, spec, handler, prepared)
@@ -173,6 +184,7 @@ class TransferWorker:
 
     def shutdown(self) -> None:
         self._closing.set()  # queued stores run now, without waiting for their share
+        self._offload_executor.shutdown(wait=True)
         self._store_executor.shutdown(wait=True)
         self._executor.shutdown(wait=True)
 
@@ -181,6 +193,9 @@ class TransferWorker:
     def _run_store(self, job_id: int, spec: TransferSpec, handler: TransferHandler, prepared: object) -> None:
         while not self._closing.is_set() and not self.store_policy.allow_run():
             self._closing.wait(STORE_RETRY_S)
+        self._run_charged(job_id, spec, handler, prepared)
+
+    def _run_charged(self, job_id: int, spec: TransferSpec, handler: TransferHandler, prepared: object) -> None:
         cpu = time.thread_time()
         self._run(job_id, spec, handler, prepared)
         # The share is of the cores: waiting for a device (fsync, a socket) costs none of it.

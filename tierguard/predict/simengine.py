@@ -207,7 +207,7 @@ class SimTransferWorker:
         self._seq = 0
         self.stats: dict[str, RouteStats] = {}
 
-    def transfer_async(self, job_id: int, spec: TransferSpec, store: bool = False) -> None:
+    def transfer_async(self, job_id: int, spec: TransferSpec, store: bool = False, holds_device: bool = False) -> None:
         seconds = self.cost.route(spec.route_name).seconds(len(spec.src)) * self.scale
         i = min(range(len(self._free_at)), key=self._free_at.__getitem__)
         start = max(self.clock.now, self._free_at[i])
