@@ -11,6 +11,13 @@ import pytest
 from tierguard.kv.store_policy import OFFLOAD, PERSIST, StorePolicy
 
 
+def one_block(medium: str) -> type:
+    """A block spec of one block on `medium` (routes are named by their media)."""
+    from tierguard.kv.media import BlockSpec
+
+    return type(medium.title(), (BlockSpec,), {"medium": medium, "__len__": lambda self: 1})
+
+
 def test_backlog_bound_drops_and_counts():
     p = StorePolicy(max_pending=2, share=1.0)
     assert p.admit(OFFLOAD) and p.admit(PERSIST)
@@ -42,17 +49,9 @@ def test_bad_settings_are_refused(kwargs):
 
 def test_store_lane_waits_for_its_share_and_promotions_do_not(tmp_path):
     """A store queued behind a spent share waits; a promotion submitted after it runs first."""
-    from tierguard.kv.media import BlockSpec
     from tierguard.kv.transfer import TransferHandler, TransferSpec, TransferWorker
 
-    class One(BlockSpec):
-        medium = "one"
-
-        def __len__(self) -> int:
-            return 1
-
-    class Two(One):
-        medium = "two"
+    One, Two = one_block("one"), one_block("two")
 
     order: list[str] = []
 
@@ -79,17 +78,9 @@ def test_store_lane_waits_for_its_share_and_promotions_do_not(tmp_path):
 
 
 def test_shutdown_runs_queued_stores_without_waiting_for_the_share():
-    from tierguard.kv.media import BlockSpec
     from tierguard.kv.transfer import TransferHandler, TransferSpec, TransferWorker
 
-    class A(BlockSpec):
-        medium = "a"
-
-        def __len__(self) -> int:
-            return 1
-
-    class B(A):
-        medium = "b"
+    A, B = one_block("a"), one_block("b")
 
     ran = threading.Event()
 
@@ -112,20 +103,9 @@ def test_an_offload_runs_while_write_behind_waits_for_the_share():
     """An offload holds device blocks until it ends: it must not queue behind a write-behind
     waiting for the stores' share (a new request would find no free blocks). It is charged
     to the share all the same."""
-    from tierguard.kv.media import BlockSpec
     from tierguard.kv.transfer import TransferHandler, TransferSpec, TransferWorker
 
-    class Host(BlockSpec):
-        medium = "host"
-
-        def __len__(self) -> int:
-            return 1
-
-    class Disk(Host):
-        medium = "disk"
-
-    class Device(Host):
-        medium = "device"
+    Host, Disk, Device = one_block("host"), one_block("disk"), one_block("device")
 
     order: list[str] = []
 
