@@ -148,6 +148,23 @@ def test_the_budget_deletes_least_recently_used_blocks_for_every_replica(tiers, 
     assert a.stats().rejected_writes == 2
 
 
+def test_an_older_journal_entry_does_not_bring_back_a_block_the_budget_deleted(tiers, monkeypatch):
+    a = tiers(capacity=4 * STORED, refresh_s=60)  # the test takes the refresh thread's turns
+    a.write_many(blocks(1, 2, 3, 4))  # journal: put 1..4, not yet read back by `a`
+    announce = a.index.announce
+
+    def refresh_first(pipe, puts, dels):  # the refresh reads the old entry mid-write
+        a.index.refresh()
+        announce(pipe, puts, dels)
+
+    monkeypatch.setattr(a.index, "announce", refresh_first)
+    assert a.write_many(blocks(5, 6)) == [True, True]
+    assert not a.contains(1) and not a.contains(2) and a.stats().used_bytes == 4 * STORED
+    a.index.refresh()  # the deletion's own entry: nothing changes
+    assert sorted(h for h in range(1, 7) if a.contains(h)) == [3, 4, 5, 6]
+    assert a.write_many(blocks(1)) == [True] and a.contains(1)  # deleted blocks can come back
+
+
 def test_a_replica_started_later_reads_the_whole_journal(tiers):
     a = tiers()
     a.write_many(blocks(1, 2))

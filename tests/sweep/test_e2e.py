@@ -23,7 +23,9 @@ def cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
 
 def test_sweep_and_report_with_real_bench(tmp_path):
     # Service time of one request: 30 + 7 x 10 = 100 ms; a request that waits for a slot
-    # has TTFT >= 130 ms, so the 80 ms TTFT SLO holds exactly up to each capacity.
+    # has TTFT >= 130 ms, so the 120 ms TTFT SLO holds exactly up to each capacity. Delays on
+    # a loaded machine only lengthen latencies: the SLOs leave them 90 ms (TTFT) and 70 ms
+    # (gap) below capacity, and nothing can bring a waiting request under 130 ms.
     matrix = {
         "name": "e2e",
         "variants": [
@@ -36,7 +38,7 @@ def test_sweep_and_report_with_real_bench(tmp_path):
             "ladder": [1, 2, 4, 8],
             "mixed": {"short_len": 16, "long_len": 64, "long_share": 0.25, "concurrency": [2]},
         },
-        "slo": {"p99_ttft_ms": 80, "p99_itl_ms": 40},
+        "slo": {"p99_ttft_ms": 120, "p99_itl_ms": 80},
         "uncertainty": {"bootstrap": 100},
     }
     mpath = tmp_path / "m.yaml"

@@ -19,6 +19,11 @@ index is cleared and the journal read again from its start.
 
 Budget: used bytes = known blocks x stored block size; `make_room` picks the least
 recently used blocks to delete before a write would pass the budget (lru.py).
+
+A block this replica deleted stays deleted in its index: until the journal entry that
+announces the deletion comes back through `refresh`, an older `put` of that block (one the
+refresh had not reached yet) is skipped, so the budget never counts a deleted block again.
+Such a mark lasts at most the TTL, because every older `put` has expired by then.
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ class RemoteIndex:
         self._expiry: dict[int, float] = {}  # hash -> unix time the key expires
         self._lru = LRUPolicy()
         self._queue: deque[tuple[float, int]] = deque()  # (expiry, hash), roughly in expiry order
+        self._deleted: dict[int, float] = {}  # hash we deleted -> when the mark lapses
+        self._deleted_queue: deque[tuple[float, int]] = deque()  # in lapse order
         self._cursor = "-"  # last journal id applied
         self._run_id: str | None = None
 
@@ -84,10 +91,16 @@ class RemoteIndex:
         self._lru.remove(block_hash)
         return True
 
+    def _mark_deleted(self, block_hash: int, now: float) -> None:
+        lapse = now + self.ttl_ms / 1000.0
+        self._deleted[block_hash] = lapse
+        self._deleted_queue.append((lapse, block_hash))
+
     def add_own(self, hashes: list[int]) -> None:
         expiry = time.time() + self.ttl_ms / 1000.0
         with self._lock:
             for h in hashes:
+                self._deleted.pop(h, None)
                 self._add(h, expiry)
 
     def drop(self, hashes: list[int]) -> None:
@@ -103,15 +116,23 @@ class RemoteIndex:
     def make_room(self, incoming_bytes: int, capacity_bytes: int) -> list[int]:
         """Remove least recently used blocks until `incoming_bytes` more fit; the caller
         deletes them in Redis and announces the deletion."""
-        victims = []
+        victims, now = [], time.time()
         with self._lock:
             while self._expiry and (len(self._expiry) * self.stored_bytes + incoming_bytes > capacity_bytes):
                 h = self._lru.pop_victim()
                 if h is None:
                     break
                 self._expiry.pop(h, None)
+                self._mark_deleted(h, now)
                 victims.append(h)
         return victims
+
+    def unmark(self, hashes: list[int]) -> None:
+        """The deletion of `hashes` was not announced (the write failed): no journal entry
+        will lift their marks, so lift them now."""
+        with self._lock:
+            for h in hashes:
+                self._deleted.pop(h, None)
 
     def expire(self) -> int:
         """Forget blocks whose TTL has passed; returns how many."""
@@ -121,6 +142,10 @@ class RemoteIndex:
                 expiry, h = self._queue.popleft()
                 if self._expiry.get(h) == expiry:
                     n += self._remove(h)
+            while self._deleted_queue and self._deleted_queue[0][0] <= now:
+                lapse, h = self._deleted_queue.popleft()
+                if self._deleted.get(h) == lapse:
+                    del self._deleted[h]
         return n
 
     # ---- the journal ----
@@ -148,6 +173,8 @@ class RemoteIndex:
                     self._expiry.clear()
                     self._lru = LRUPolicy()
                     self._queue.clear()
+                    self._deleted.clear()
+                    self._deleted_queue.clear()
                     self._cursor, reset = "-", True
                 self._run_id = run_id
             self.check_identity = False
@@ -162,8 +189,11 @@ class RemoteIndex:
                     eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
                     expiry = int(eid.split("-")[0]) / 1000.0 + self.ttl_ms / 1000.0
                     if expiry > now:
-                        learned += sum(self._add(h, expiry) for h in unpack(fields.get(b"put")))
-                    forgotten += sum(self._remove(h) for h in unpack(fields.get(b"del")))
+                        puts = [h for h in unpack(fields.get(b"put")) if h not in self._deleted]
+                        learned += sum(self._add(h, expiry) for h in puts)
+                    for h in unpack(fields.get(b"del")):
+                        forgotten += self._remove(h)
+                        self._deleted.pop(h, None)
                     self._cursor = eid
             if len(entries) < PAGE:
                 return learned, forgotten, reset

@@ -229,6 +229,7 @@ class RemoteTier(ColdMedium):
 
         status, replies = self._call(send)
         if replies is None:
+            self.index.unmark(victims)
             self._count(
                 rejected_writes=refused + (len(todo) if status == "refused" else 0),
                 unavailable=len(todo) if status == "refused" else 0,
