@@ -97,8 +97,8 @@ TIERGUARD = {"tierguard-fp32": "auto", "tierguard-int8": "int8", "tierguard-int4
 PEERS = ("llamacpp-f32", "llamacpp-q8_0", "llamacpp-q4_1", "transformers")
 VLLM = {"vllm-f32-default-threads": ("float32", False), "vllm-f32": ("float32", True), "vllm-bf16": ("bfloat16", True)}
 # --goodput: each engine at the settings a user would tune it with (NAME@LABEL, FLAGS).
-# Ours: weight dtype and --itl-slo-ms. vLLM's: its chunked-prefill token budget and running
-# sequences (its dtype and threads are in the name: bfloat16 on every core).
+# Ours: weight dtype, --itl-slo-ms and --target-itl-ms. vLLM's: its chunked-prefill token
+# budget and running sequences (its dtype and threads are in the name: bfloat16 on every core).
 GOODPUT = (
     ("tierguard-int8", ""),
     ("tierguard-bf16", ""),
@@ -106,6 +106,7 @@ GOODPUT = (
     ("tierguard-bf16@slo40", "--itl-slo-ms 40"),
     ("tierguard-bf16@slo80", "--itl-slo-ms 80"),
     ("tierguard-bf16@slo160", "--itl-slo-ms 160"),
+    ("tierguard-bf16@whole", "--target-itl-ms 0"),  # whole chunks beside decodes: raw throughput
     ("vllm-bf16", ""),
     ("vllm-bf16@b512", "--max-num-batched-tokens 512"),
     ("vllm-bf16@b256", "--max-num-batched-tokens 256"),
