@@ -38,13 +38,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from statistics import NormalDist
 
 import numpy as np
 
 from tierguard.common.errors import TierguardError
 from tierguard.engine.api import StepShape
-from tierguard.predict.costmodel import REGIME_FEATURES, Linear, StepCost, fit_relative, lag1_correlation
+from tierguard.predict.costmodel import (
+    REGIME_FEATURES,
+    Linear,
+    StepCost,
+    fit_relative,
+    lag1_correlation,
+    normal_scores,
+)
 from tierguard.predict.driver import ClientTiming
 from tierguard.predict.engines import (
     EngineCommand,
@@ -111,7 +117,9 @@ class ProbePlan:
         lengths = sorted({max(16, top // 8), max(16, top // 2), top})
         ladder_top = max(matrix.slices.ladder)
         ramp = ramp or [c for c in (2, 4, 8) if c <= max(2, ladder_top)]
-        delivery = min(128, max_model_len - lengths[0]) if max_model_len else 128
+        delivery = cls.delivery_output_len
+        if max_model_len:
+            delivery = min(delivery, max_model_len - lengths[0])
         return cls(lengths, max(16, top // 2), ramp, out, delivery_output_len=max(out, delivery))
 
     def to_json(self) -> dict:
@@ -427,8 +435,6 @@ def fit_black_box(runs: list[ProbeRun], policy: Policy) -> tuple[StepCost, Clien
     residuals = []
     for shape, itl in res_runs:
         residuals += np.log(np.maximum(itl, 1e-6) / decode.mean(shape)).tolist()
-    ranks = np.argsort(np.argsort(residuals)) if residuals else []
-    scores = [NormalDist().inv_cdf((float(k) + 0.5) / len(residuals)) for k in ranks]
     if residuals:
         arr = np.asarray(residuals)
         arr -= np.log(np.mean(np.exp(arr)))
@@ -453,7 +459,7 @@ def fit_black_box(runs: list[ProbeRun], policy: Policy) -> tuple[StepCost, Clien
     coef = fit_relative(a / scale, y) / scale
     lag, pf, p1, p2 = (float(c) for c in coef)
     chunk = Linear(REGIME_FEATURES["chunk"], [*decode.coef, pf, p1, p2], decode.residuals, len(ys))
-    cost = StepCost({"decode": decode, "chunk": chunk}, 0, True, None, lag1_correlation(scores))
+    cost = StepCost({"decode": decode, "chunk": chunk}, 0, True, None, lag1_correlation(normal_scores(residuals)))
     means = [float(np.mean(np.log(np.maximum(itl, 1e-6) / decode.mean(s)))) for s, itl in res_runs]
     band = min(BAND_CEILING, max(BAND_FLOOR, 2 * (statistics.pstdev(means) if len(means) > 1 else 0.0)))
     return cost, ClientTiming(lag, 0.0), round(band, 4)

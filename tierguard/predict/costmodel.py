@@ -197,8 +197,8 @@ class StepCost:
             by_regime.setdefault(name, []).append((math.log(max(t, MIN_SECONDS) / self.regimes[name].mean(shape)), i))
         scores = [0.0] * len(shapes)
         for pts in by_regime.values():
-            for rank, (_, i) in enumerate(sorted(pts)):
-                scores[i] = _NORMAL.inv_cdf((rank + 0.5) / len(pts))
+            for (_, i), score in zip(pts, normal_scores([r for r, _ in pts]), strict=True):
+                scores[i] = score
         return lag1_correlation(scores)
 
     def gap_seconds(self, sampled: int, rng: np.random.Generator | None = None, scale: float = 1.0) -> float:
@@ -260,6 +260,16 @@ class StepCost:
         if self.gap is not None:
             out["gap"] = {f: round(c * 1000.0, 5) for f, c in zip(self.gap.features, self.gap.coef, strict=True)}
         return out
+
+
+def normal_scores(values: list[float]) -> list[float]:
+    """Each value as the standard normal quantile of its rank, (rank + 0.5) / n (ties in
+    the order given): the shape of a distribution taken out, its order kept."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    scores = [0.0] * len(values)
+    for rank, i in enumerate(order):
+        scores[i] = _NORMAL.inv_cdf((rank + 0.5) / len(values))
+    return scores
 
 
 def lag1_correlation(values: list[float]) -> float:
