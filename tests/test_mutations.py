@@ -183,6 +183,22 @@ MUTANTS = [
          "test_under_a_tight_slo_a_wave_prefills_together_and_starts_decoding_in_one_step",),
     ),
     Mutant(
+        "contract: a ready interactive prefill never waits for a companion loading from a tier",
+        ENGINE,
+        "self.contract.goes_first(seq.request_class) and seq.num_holds < HOLD_STEPS and not self._overdue(seq)",
+        "False",
+        ("tests/engine/test_tiers_shared_prefill.py::"
+         "test_a_ready_chat_waits_for_one_loading_from_host_and_they_prefill_in_one_step",),
+    ),
+    Mutant(
+        "scheduler: a sequence set aside for a companion leaves its device prefix unpinned",
+        ENGINE,
+        "self._pins[seq.seq_id] = self.bm.pin(match)",
+        "pass",
+        ("tests/engine/test_tiers_shared_prefill.py::test_a_held_chat_keeps_its_device_prefix_while_the_other_loads",),
+        slow=True,  # the killing test is a default test; the mutant costs a process start
+    ),
+    Mutant(
         "fused step: a prefill chunk's K/V not all stored before its rows attend (`ordered` dropped)",
         C_KERNELS,
         "if (s->ordered) {",

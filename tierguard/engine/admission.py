@@ -8,6 +8,10 @@ The scheduler calls one policy method per hook and keeps no policy of its own:
                                            is checked against the pool)
     on_no_room(head, waiting, ...)         it has no room: True when another request was
                                            moved to the front instead (try again)
+    may_hold(seq) / holds(seq, waiting, staging)
+                                           a ready prefill beside decodes waits this step
+                                           for companions (it is set aside while they are
+                                           tried, then `holds` decides)
     room_victim(running)                   at the start of a step: a running sequence to
                                            swap out so a waiting one gets room
     preempt_order(candidates)              a running sequence cannot grow: who goes first
@@ -27,7 +31,13 @@ The scheduler calls one policy method per hook and keeps no policy of its own:
   - while an interactive request stages its prefix from a tier (out of the queue until
     its blocks arrive), no batch request within its budget is admitted: the room it
     yielded or found would otherwise go to the batch one, and its return would swap that
-    one out again (a swap-out, a reload and one more gap in its stream for nothing).
+    one out again (a swap-out, a reload and one more gap in its stream for nothing);
+  - an interactive request ready to prefill beside decodes waits, at most HOLD_STEPS
+    steps, while another interactive request stages or queues: requests that arrive
+    together but are ready a step apart (one prefix on the device, another loading from
+    a tier, a third waiting for a swap-out to free room) would otherwise run their
+    prefills in separate steps, and each such step is a prefill-sized gap in every
+    decoding stream. Sharing one step costs the ready ones a decode step or two of TTFT.
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ from tierguard.engine.sequence import Sequence
 from tierguard.kv.contract import LOOKAHEAD, ColdContract
 
 NONE_STAGING: Mapping[str, Sequence] = {}
+HOLD_STEPS = 2  # steps a ready interactive prefill may wait for companions (ContractAdmission)
 
 
 class AdmissionPolicy:
@@ -76,6 +87,19 @@ class AdmissionPolicy:
         """`head` has no room. True after moving another waiting request to the front of
         `waiting`: the scheduler asks `head` again within the same step, so True must mean
         that `head` now returns a different sequence. False ends admission for this step."""
+        return False
+
+    def may_hold(self, seq: Sequence) -> bool:
+        """Whether `seq`, admissible now with a prefill to run beside this step's decodes,
+        may be held: True sets it aside (out of the queue) while the scheduler tries the
+        requests behind it, then asks `holds`. The default never holds."""
+        return False
+
+    def holds(self, seq: Sequence, waiting: OrderedDict[str, Sequence], staging: Mapping[str, Sequence]) -> bool:
+        """`seq` was set aside by `may_hold`; True keeps it waiting this step (it returns
+        to the front of the queue), False admits it in this step after all. `waiting` and
+        `staging` are what is left once the others were tried (without `seq`). A policy
+        that holds must bound how often, so that nothing waits forever."""
         return False
 
     def room_victim(self, running: list[Sequence]) -> Sequence | None:
@@ -151,6 +175,19 @@ class ContractAdmission(AdmissionPolicy):
                     return True
         self._room_wanted = self.contract.goes_first(head.request_class)
         return False
+
+    def may_hold(self, seq: Sequence) -> bool:
+        return (
+            self.contract.goes_first(seq.request_class) and seq.num_holds < HOLD_STEPS and not self._overdue(seq)
+        )
+
+    def holds(self, seq: Sequence, waiting: OrderedDict[str, Sequence], staging: Mapping[str, Sequence]) -> bool:
+        """While another interactive request stages or queues (module docstring)."""
+        others = (*staging.values(), *islice(waiting.values(), 0, 1 + LOOKAHEAD))
+        if not any(self.contract.goes_first(s.request_class) for s in others):
+            return False
+        seq.num_holds += 1
+        return True
 
     def room_victim(self, running: list[Sequence]) -> Sequence | None:
         if not self._room_wanted:

@@ -161,6 +161,18 @@ class BlockManager:
             self.prefix_queries += len(seq)
             self.prefix_hits += seq.num_computed_tokens
 
+    def pin(self, match: PrefixMatch) -> list[int]:
+        """Take references on `match`'s blocks without admitting: a sequence that waits
+        keeps its device prefix from eviction. Returns the blocks to `unpin`."""
+        blocks = match.device_blocks()
+        for block_id in blocks:
+            self.pool.acquire(block_id)
+        return blocks
+
+    def unpin(self, blocks: list[int]) -> None:
+        for block_id in blocks:
+            self.pool.release(block_id)
+
     def ensure_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow the tables to cover num_computed + num_new_tokens; all or nothing. Blocks
         that fell out of a sliding window are released first."""

@@ -54,6 +54,7 @@ class Scheduler:
         self.step_budget = step_budget or StepBudget.from_config(config)
         self.waves = waves or SloWaves(config.max_num_seqs)
         self._prefill_cap = config.max_num_batched_tokens  # prefill tokens left in this step
+        self._pins: dict[str, list[int]] = {}  # device prefixes of sequences set aside in _admit
 
     _held = property(lambda self: self.waves.held)  # the wave policy's held members, read-only
 
@@ -144,6 +145,34 @@ class Scheduler:
         return n
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting sequences. Beside decodes, a prefill that the admission policy
+        `holds` waits for companions still staging or queued (they prefill together next
+        step: each decoding stream pays one prefill gap, not one per arrival); it is set
+        aside during a first pass so that the companions behind it start their loads."""
+        aside: dict[str, Sequence] | None = {} if any(s.num_tokens == 1 for s in out.scheduled) else None
+        budget = self._admit_pass(out, budget, aside)
+        if not aside:
+            return
+        held = {k: s for k, s in aside.items() if self.admission.holds(s, self.waiting, self.staging)}
+        self._to_front([s for k, s in aside.items() if k not in held])
+        self._admit_pass(out, budget, None, held)
+        self._to_front(list(held.values()))
+
+    def _to_front(self, seqs: list[Sequence]) -> None:
+        """Back to the head of the queue, in order, with their pinned prefixes released."""
+        for seq in reversed(seqs):
+            self.bm.unpin(self._pins.pop(seq.seq_id, []))
+            self.waiting[seq.seq_id] = seq
+            self.waiting.move_to_end(seq.seq_id, last=False)
+
+    def _admit_pass(
+        self, out: SchedulerOutput, budget: int, aside: dict[str, Sequence] | None,
+        held: dict[str, Sequence] | None = None,
+    ) -> int:
+        """One admission loop; with `aside`, ready prefills the policy may hold are moved
+        there instead of admitted. The policy sees set-aside and `held` sequences as
+        staging (out of the queue, coming back): their room is not another's to take.
+        Returns the budget left."""
         # Admitting while preempting would only thrash.
         while (
             budget > 0
@@ -157,13 +186,21 @@ class Scheduler:
             # Keep one free block per running sequence, so admitting does not force the
             # next decode step straight into preemption.
             reserve = len(self.running)
-            if not self.admission.has_room(seq, match, reserve, self.running, self.staging):
-                if self.admission.on_no_room(seq, self.waiting, reserve, self.running, self.staging):
+            parked = aside or held
+            staging = {**self.staging, **parked} if parked else self.staging
+            if not self.admission.has_room(seq, match, reserve, self.running, staging):
+                if self.admission.on_no_room(seq, self.waiting, reserve, self.running, staging):
                     continue  # another request that fits now is the head
                 break  # waits for room
             if self._stage(seq, match):
                 continue  # out of the queue until its blocks arrive
             pending = len(seq) - len(match.block_ids) * self.bm.block_size
+            if aside is not None and pending > 1 and self.admission.may_hold(seq):
+                # Pinned while set aside: a companion's load or admission must not evict it.
+                self._pins[seq.seq_id] = self.bm.pin(match)
+                del self.waiting[seq.seq_id]
+                aside[seq.seq_id] = seq
+                continue
             n = min(pending, budget)
             n -= self.waves.hold_last(self.step_budget, seq, n, pending, len(self.running) + 1,
                                       len(self.waiting) - 1)
@@ -181,6 +218,7 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+        return budget
 
     def _stage(self, seq: Sequence, match: PrefixMatch) -> bool:
         """Connector hook at admission: True when a tier load started (seq leaves the queue)."""

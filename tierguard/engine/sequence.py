@@ -67,6 +67,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.num_preemptions = 0
+        self.num_holds = 0  # steps it waited, ready, for companions' prefills (admission.py)
         self.queued_at = arrival  # when it last entered the waiting queue (admission aging)
         self.generator = None  # torch.Generator when params.seed is set
         # Its newest token's text is held back (half a character, or a possible stop
