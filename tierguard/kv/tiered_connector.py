@@ -102,6 +102,8 @@ class TieredConnector(KVConnector):
         self._load_seconds: list[float] = []
         self._stats_cache: TierStats | None = None
         self._stats_at = 0.0
+        self._stats_key: tuple = ()
+        self._jobs_done = 0
 
     @classmethod
     def create(
@@ -355,6 +357,7 @@ class TieredConnector(KVConnector):
 
     def poll(self) -> PollResult:
         for done in self.worker.get_finished():
+            self._jobs_done += 1
             self._jobs.pop(done.job_id)(done)
         for block_hash in self.pool.take_evicted():
             # Copies were made when the block's sequence ended (an async copy at eviction
@@ -400,10 +403,15 @@ class TieredConnector(KVConnector):
 
     def stats(self, max_age_s: float = 0.0) -> TierStats:
         """The async engine asks after every step and the percentiles sort latency windows,
-        so it accepts values up to `max_age_s` old; fresh whenever nothing is in flight."""
+        so it accepts values up to `max_age_s` old; fresh after any tier event (a job
+        submitted or finished, a load started, a decision, an eviction counted), so that a
+        step without one (most decode steps) does not pay for a recount."""
         now = self.clock.monotonic()
-        if self._stats_cache is None or now - self._stats_at >= max_age_s or not self.busy():
-            self._stats_cache, self._stats_at = self._compute_stats(), now
+        c = self._c
+        key = (self._next_job, self._jobs_done, c.loads_started, c.recomputes, c.async_handoffs,
+               c.swap_out_blocks, c.swap_recompute_blocks, c.device_evictions_uncopied)  # fmt: skip
+        if self._stats_cache is None or now - self._stats_at >= max_age_s or key != self._stats_key:
+            self._stats_cache, self._stats_at, self._stats_key = self._compute_stats(), now, key
         return self._stats_cache
 
     def _compute_stats(self) -> TierStats:
