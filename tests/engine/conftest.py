@@ -80,6 +80,28 @@ def make_engine(model_dir: Path, faults=None, **overrides) -> LLMEngine:
     )
 
 
+def batch_then_chats(engine, long, chats: dict, params, long_params=None, on_chat=lambda: None,
+                     after_step=lambda: None) -> dict[str, list[int]]:
+    """Run a batch request ("batch", `long_params` or `params`), add the interactive ones
+    (`chats`: request id -> prompt) at step 3, when it decodes (after `on_chat()`), and run
+    all to the end, checking integrity and calling `after_step()` after every step.
+    Returns every request's output tokens."""
+    out: dict[str, list[int]] = {"batch": [], **{rid: [] for rid in chats}}
+    engine.add_request("batch", long, long_params or params, request_class="batch")
+    for step in range(10_000):
+        if step == 3:
+            on_chat()
+            for rid, prompt in chats.items():
+                engine.add_request(rid, prompt, params)
+        elif step > 3 and not engine.has_unfinished():
+            break
+        for o in engine.step():
+            out[o.request_id].extend(o.new_token_ids)
+        engine.check_integrity()
+        after_step()
+    return out
+
+
 @pytest.fixture(scope="session")
 def hf_model():
     """transformers' own implementation of the same weights (the reference)."""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.conftest import make_engine, prompt_ids
+from tests.engine.conftest import batch_then_chats, make_engine, prompt_ids
 from tests.engine.guard_spy import GuardSpy
 from tierguard.common.errors import TierguardError
 from tierguard.engine.api import SamplingParams
@@ -301,18 +301,7 @@ def _batch_then_chat(engine, long, chat, params, on_chat=lambda: None) -> tuple[
     victims: list[str] = []
     preempt = engine.scheduler._preempt
     engine.scheduler._preempt = lambda seq: victims.append(seq.seq_id) or preempt(seq)
-    out: dict[str, list[int]] = {"batch": [], "chat": []}
-    engine.add_request("batch", long, params, request_class="batch")
-    for step in range(10_000):
-        if step == 3:
-            on_chat()
-            engine.add_request("chat", chat, params)
-        elif step > 3 and not engine.has_unfinished():
-            break
-        for o in engine.step():
-            out[o.request_id].extend(o.new_token_ids)
-        engine.check_integrity()
-    return out, victims
+    return batch_then_chats(engine, long, {"chat": chat}, params, on_chat=on_chat), victims
 
 
 def test_a_batch_request_that_yielded_room_waits_while_the_interactive_one_stages(tiny_dir):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from tests.engine.conftest import make_engine, prompt_ids
+from tests.engine.conftest import batch_then_chats, make_engine, prompt_ids
 from tierguard.engine.api import SamplingParams
 
 SHORT = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -17,7 +17,10 @@ PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
 
 
-def _finish(engine) -> None:
+def _served(engine, prompt, params) -> None:
+    """Serve one request and wait for its blocks' copy to host RAM as well (`generate`
+    returns at the last token, with the copy still in flight)."""
+    engine.add_request(f"warm-{engine.step_count}", prompt, params)
     while engine.has_unfinished():
         engine.step()
 
@@ -40,11 +43,9 @@ def _two_chats_beside_a_decode(tiny_dir, num_blocks: int) -> tuple[dict, list[li
     expected = plain.generate([batch], LONG) + plain.generate([a_turn, b_turn], PARAMS)
     engine = make_engine(tiny_dir, num_blocks=num_blocks, kv_host_gib=0.01)
     try:
-        engine.add_request("b0", b, SHORT)
-        _finish(engine)
+        _served(engine, b, SHORT)
         engine.pool.evict_all_cached()  # b's prefix is in host RAM only
-        engine.add_request("a0", a, SHORT)
-        _finish(engine)  # a's prefix stays on the device (cached, free)
+        _served(engine, a, SHORT)  # a's prefix stays on the device (cached, free)
         chunks: list[list[tuple[str, int]]] = []
         schedule = engine.scheduler.schedule
 
@@ -54,18 +55,8 @@ def _two_chats_beside_a_decode(tiny_dir, num_blocks: int) -> tuple[dict, list[li
             return out
 
         engine.scheduler.schedule = spy
-        out: dict[str, list[int]] = {"batch": [], "a": [], "b": []}
-        engine.add_request("batch", batch, LONG, request_class="batch")
-        for step in range(10_000):
-            if step == 3:  # the batch request decodes by now
-                engine.add_request("a", a_turn, PARAMS)
-                engine.add_request("b", b_turn, PARAMS)
-            elif step > 3 and not engine.has_unfinished():
-                break
-            for o in engine.step():
-                out[o.request_id].extend(o.new_token_ids)
-            engine.check_integrity()
-            _loads_landed(engine)
+        out = batch_then_chats(engine, batch, {"a": a_turn, "b": b_turn}, PARAMS, long_params=LONG,
+                               after_step=lambda: _loads_landed(engine))
         return out, chunks, expected
     finally:
         engine.close()
