@@ -10,7 +10,9 @@ simulation), sweep it for real, predict again at every concurrency the sweep mea
     into in-sample cells (a context and a concurrency the calibration probed) and held
     out ones (the suites add a context the probes never ran, and the ladder goes above
     the probes' top concurrency);
-  - the naive baseline's collapse: predicted and measured below the small pool.
+  - the naive baseline's collapse: predicted and measured below the small pool;
+  - with --repeat-sweep, the same sweep run again: its cells against the first's (how
+    far two measurements of one cell are apart) and the prediction against it.
 
 Then `sweep --predict-first` against a plain sweep of the demo matrix: wall time and both
 boundary tables. Suites:
@@ -26,6 +28,7 @@ are only quotable from a quiet machine: the run is invalid when the load average
 above 1.5 x the CPU count while it measured.
 
     python bench/predict_validation.py [--suites tiny,smollm2,llamacpp,vllm] [--out DIR] [--skip-predict-first]
+                                       [--repeat-sweep]
 """
 
 from __future__ import annotations
@@ -195,7 +198,7 @@ def summarize_errors(errs) -> dict:
     return out
 
 
-def run_suite(name: str, doc: dict, out: Path, cache: Path, v: Validity, cpus: int) -> dict:
+def run_suite(name: str, doc: dict, out: Path, cache: Path, v: Validity, cpus: int, repeat: bool = False) -> dict:
     sdir = out / name
     sdir.mkdir(parents=True, exist_ok=True)
     mpath = sdir / "matrix.yaml"
@@ -244,6 +247,13 @@ def run_suite(name: str, doc: dict, out: Path, cache: Path, v: Validity, cpus: i
         "cells": cells,
         "calibration": predicted.boundary.get("calibration", {}),
     }
+    if repeat:
+        # the measurement's own reproducibility: the same matrix swept again, cell by cell
+        log(f"[{name}] sweeping again")
+        sweep(mpath, sdir / "measured-again")
+        again = load_run(sdir / "measured-again")
+        res["measured_again"] = {"against_first_sweep": summarize_errors(cell_errors(measured, again)),
+                                 "prediction_against_it": summarize_errors(cell_errors(again, predicted))}
     naive = [x for x in measured.matrix.variants if "naive-sync-disk" in x.tags]
     small = [x for x in measured.matrix.variants if "no-tier" in x.tags]
     if naive and small:
@@ -313,6 +323,8 @@ def main() -> int:
                     or str(ROOT / ".venv-llamacpp" / "bin" / "python"))
     ap.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     ap.add_argument("--skip-predict-first", action="store_true")
+    ap.add_argument("--repeat-sweep", action="store_true",
+                    help="sweep each suite twice: how far two measurements of a cell are apart")
     ap.add_argument("--slo-scale", type=float, default=1.0,
                     help="multiply every suite's SLOs (on a loaded machine, so boundaries fall inside the ladder)")
     ap.add_argument("--tiny-contexts", default="1024,768", help="the tiny suite's contexts (the last: held out)")
@@ -345,7 +357,7 @@ def main() -> int:
         except Exception as exc:  # noqa: BLE001 - a suite that cannot be built is reported, not fatal
             result["skipped"][name] = f"{type(exc).__name__}: {exc}"
             continue
-        result["suites"][name] = run_suite(name, doc, out, cache, v, cpus)
+        result["suites"][name] = run_suite(name, doc, out, cache, v, cpus, args.repeat_sweep)
     if not args.skip_predict_first:
         result["predict_first"] = predict_first(out, cache, v, cpus, args.slo_scale, demo_ctx)
     v.require(bool(result["suites"]), "no suite ran")

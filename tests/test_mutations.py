@@ -300,6 +300,13 @@ MUTANTS = [
         ("tests/predict/test_noise_terms.py::test_calibrated_delivery_noise_raises_the_itl_p99_and_keeps_its_median",),
     ),
     Mutant(
+        "predict: the compute probe runs without the tiers (their write-behind's cost unseen)",
+        "tierguard/predict/engines.py",
+        'PROBE_DROP = ("--kv-cache-gib",',
+        'PROBE_DROP = ("--kv-host-gib", "--kv-disk-dir", "--kv-disk-gib", "--kv-cache-gib",',
+        ("tests/predict/test_calibration.py::test_the_compute_probe_drops_the_kv_budget_and_keeps_the_tiers",),
+    ),
+    Mutant(
         "tiers: an offload queued behind write-behind that waits for the stores' share",
         "tierguard/kv/transfer.py",
         "if store and holds_device:",

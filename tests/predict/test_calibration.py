@@ -106,14 +106,16 @@ def test_policies_from_flags_and_logs():
     assert other.kind == "openai"
 
 
-def test_the_compute_probe_drops_the_kv_budget_and_tiers_only():
+def test_the_compute_probe_drops_the_kv_budget_and_keeps_the_tiers():
+    # the tiers' write-behind slows the steps it overlaps: the probe must run with it
     v = Variant(name="n", command="{python} -m tierguard serve --model tiny --port {port} --kv-cache-gib 0.006 "
                 "--kv-dtype fp8 --kv-host-gib 0.25 --kv-disk-dir {workdir}/d --kv-disk-gib=1 --kv-naive-sync-disk "
                 "--target-itl-ms 50")
     argv = compute_probe_argv(classify(v))
     tail = argv[argv.index("serve") + 1:]
-    assert tail == ["--model", "tiny", "--kv-dtype", "fp8", "--target-itl-ms", "50", "--port", "{port}",
-                    "--step-log", "{workdir}/steps.jsonl"]
+    assert tail == ["--model", "tiny", "--kv-dtype", "fp8", "--kv-host-gib", "0.25", "--kv-disk-dir",
+                    "{workdir}/d", "--kv-disk-gib=1", "--kv-naive-sync-disk", "--target-itl-ms", "50",
+                    "--port", "{port}", "--step-log", "{workdir}/steps.jsonl"]
     assert json.dumps(argv)  # plain strings
 
 

@@ -48,8 +48,9 @@ def write_matrix(path: Path) -> Path:
 
 
 def seed_cache(matrix_path: Path, cache_dir: Path, run_dir: Path) -> None:
-    """What calibration would have stored: each variant's step-log header, one compute
-    calibration (shared: the variants differ only in KV budget and tiers), media timings."""
+    """What calibration would have stored: each variant's step-log header, a compute
+    calibration per probe command (shared by variants that differ only in KV budget),
+    media timings."""
     matrix = load_matrix(matrix_path)
     cache = Cache(cache_dir)
     mc = ModelConfig("LlamaForCausalLM", 512, 64, 128, 2, 4, 2, 16, 512, eos_token_ids=[3])

@@ -12,9 +12,10 @@ is measured inside the server while the client loads it as a sweep does; the ste
 model (costmodel.py) is fitted on those steps, the work between steps on their gaps, and
 the client's fixed latencies on the single requests (the step a token came from is the
 last one that ended before the client saw it). The probe runs the variant's command
-without its KV budget and tiers (engines.py), so variants that differ only there share
-one calibration; each variant's own EngineConfig comes from a start of its own command
-(the step log's header; no request is sent).
+without its KV budget (engines.py), so variants that differ only there share one
+calibration; the tiers stay, as their copies share the engine's cores. Each variant's
+own EngineConfig comes from a start of its own command (the step log's header; no
+request is sent).
 
 Any other engine is a black box (`calibrate_external`): its step time against running
 streams comes from the ramp's median inter-token latency, its prefill cost from the

@@ -1,9 +1,9 @@
 """Which engine a variant starts, and what its command line says about its policy.
 
 `tierguard serve` is simulated with its own scheduler (simengine.py), so its command is
-only rewritten for calibration: the compute probe keeps every flag that changes how a
-step computes and drops the KV budget and the tiers (a calibration of the compute is
-then shared by the variants that differ only there). Other engines are black boxes
+only rewritten for calibration: the compute probe keeps every flag that changes what a
+step costs, the tiers included, and drops the KV budget (a calibration is then shared
+by the variants that differ only there). Other engines are black boxes
 with a known batching policy, read from their flags (and, for vLLM, its log):
 
     vllm            max_num_seqs, max_num_batched_tokens (chunked prefill), block size,
@@ -25,10 +25,7 @@ from dataclasses import dataclass, field
 
 from tierguard.sweep.matrix import Variant
 
-TIER_FLAGS = ("--kv-host-gib", "--kv-disk-dir", "--kv-disk-gib", "--kv-remote-url", "--kv-remote-ttl-s",
-              "--kv-remote-gib", "--kv-remote-timeout-ms", "--ttft-budget-ms", "--kv-encrypt-key-file",
-              "--kv-encrypt-old-key-file", "--kv-disk-ttl-s", "--kv-naive-sync-disk")
-PROBE_DROP = (*TIER_FLAGS, "--kv-cache-gib", "--port", "--step-log", "--host")
+PROBE_DROP = ("--kv-cache-gib", "--port", "--step-log", "--host")
 PLACEHOLDERS = {"{port}": "0", "{workdir}": "/nonexistent", "{python}": "python", "{base_url}": "http://x"}
 
 
@@ -84,8 +81,11 @@ def serve_args(cmd: EngineCommand) -> argparse.Namespace:
 
 
 def compute_probe_argv(cmd: EngineCommand) -> list[str]:
-    """The serve command without the KV budget, the tiers and the port, plus a step log:
-    what a step costs does not depend on them."""
+    """The serve command without the KV budget and the port, plus a step log. A step's
+    cost does not depend on the pool's size, so variants that differ only there share
+    one calibration. The tiers stay: their write-behind (a finished request's blocks
+    copied to host RAM, checksummed and synced to disk) runs on the engine's cores while
+    the next steps compute, and the probe's steps must carry that cost as the sweep's do."""
     takes_value = {s: a.nargs != 0 for a in _serve_parser()._actions for s in a.option_strings}
     tail, out, i = cmd.tail, [], 0
     while i < len(tail):
