@@ -174,6 +174,17 @@ def sweep(matrix_path: Path, run_dir: Path, *extra: str) -> float:
     return time.monotonic() - t0
 
 
+def quiet_sweep(matrix_path: Path, run_dir: Path, v: Validity, cpus: int, label: str) -> tuple[float, list[float]]:
+    """`sweep`, invalidating the run when the load average went above 1.5 x the CPUs
+    around it. Returns the wall time and the load average before and after."""
+    before = os.getloadavg()[0]
+    seconds = sweep(matrix_path, run_dir)
+    after = os.getloadavg()[0]
+    v.require(max(before, after) <= 1.5 * cpus,
+              f"{label}: load average {max(before, after):.1f} on {cpus} CPUs while sweeping: timings taken under load")
+    return seconds, [round(before, 1), round(after, 1)]
+
+
 def measured_cells(run_dir: Path) -> dict[str, dict[int, list[int]]]:
     state = json.loads((run_dir / "state.json").read_text())
     out: dict[str, dict[int, list[int]]] = {}
@@ -213,12 +224,7 @@ def run_suite(name: str, doc: dict, out: Path, cache: Path, v: Validity, cpus: i
     predict_matrix(matrix, pred, cache, log, mpath.read_text())
     predict_s = time.monotonic() - t0
     log(f"[{name}] sweeping")
-    load_before = os.getloadavg()[0]
-    sweep_s = sweep(mpath, sdir / "measured")
-    load_after = os.getloadavg()[0]
-    v.require(max(load_before, load_after) <= 1.5 * cpus,
-              f"{name}: load average {max(load_before, load_after):.1f} on {cpus} CPUs while sweeping: "
-              "timings taken under load")
+    sweep_s, loads = quiet_sweep(mpath, sdir / "measured", v, cpus, name)
     log(f"[{name}] predicting every measured cell")
     shutil.rmtree(pred, ignore_errors=True)
     predict_matrix(matrix, pred, cache, log, mpath.read_text(), extra=measured_cells(sdir / "measured"))
@@ -238,7 +244,7 @@ def run_suite(name: str, doc: dict, out: Path, cache: Path, v: Validity, cpus: i
     res = {
         "predict_s": round(predict_s, 1),
         "sweep_s": round(sweep_s, 1),
-        "loadavg_during_sweep": [round(load_before, 1), round(load_after, 1)],
+        "loadavg_during_sweep": loads,
         "boundaries": bounds,
         "boundaries_within_one_step": sum(b["within_one_step"] for b in bounds),
         "boundaries_total": len(bounds),
@@ -250,7 +256,7 @@ def run_suite(name: str, doc: dict, out: Path, cache: Path, v: Validity, cpus: i
     if repeat:
         # the measurement's own reproducibility: the same matrix swept again, cell by cell
         log(f"[{name}] sweeping again")
-        sweep(mpath, sdir / "measured-again")
+        quiet_sweep(mpath, sdir / "measured-again", v, cpus, f"{name} (again)")
         again = load_run(sdir / "measured-again")
         res["measured_again"] = {"against_first_sweep": summarize_errors(cell_errors(measured, again)),
                                  "prediction_against_it": summarize_errors(cell_errors(again, predicted))}
