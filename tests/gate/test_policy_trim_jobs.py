@@ -135,7 +135,7 @@ def test_a_job_that_fails_unexpectedly_gives_its_slot_back(tmp_path):
         store = JobStore(tmp_path / "jobs")
         controller = AdmissionController(AdmissionPolicy(max_concurrency=1).validate())
         runner = JobRunner(store, controller, BrokenUpstream(), RequestLog(None), workers=1)
-        runner.start()
+        await runner.start()
         job = store.create("/v1/completions", {"prompt": "x"}, 3)
         runner.submit(job)
         for _ in range(200):

@@ -59,6 +59,16 @@ _GATE_FLAGS = {
     "max-model-len": (int, "the upstream's context limit (default: from its /v1/models); with --tokenizer "
                            "it refuses prompts that cannot fit before counting them"),
     "async-workers": (int, "async jobs running at once at most (default 4)"),
+    "async-max-pending": (int, "async jobs queued or running at most, all keys together: the job queue's "
+                               "bound; past it 503 + Retry-After (default 1024)"),
+    "async-max-pending-per-key": (int, "async jobs queued or running at most per API key; past it 429 + "
+                                       "Retry-After (default 64; without API keys only the total applies)"),
+    "async-max-bytes": (_arg(parse_bytes, "--async-max-bytes"),
+                        "bytes of async job files on disk at most (bodies and results, until --job-ttl-s "
+                        "deletes them), all keys together; past it 503 (default 4GiB)"),
+    "async-max-bytes-per-key": (_arg(parse_bytes, "--async-max-bytes-per-key"),
+                                "bytes of async job files on disk at most per API key; past it 429 "
+                                "(default 512MiB)"),
     "connect-timeout-s": (float, "upstream connect timeout (default 3)"),
     "first-byte-timeout-s": (float, "upstream time to first byte (default 60)"),
     "read-timeout-s": (float, "longest upstream silence mid-stream (default 60)"),
@@ -172,7 +182,7 @@ def resolve_options(args: argparse.Namespace) -> dict:
             raise TierguardError(f"config file holds {key}; keep secrets out of config files "
                                  f"(use --api-key-file or TIERGUARD_{key.upper()})")
     _normalize_sizes(options)
-    for key in ("max_body_bytes", "slow_reader_bytes"):
+    for key in ("max_body_bytes", "slow_reader_bytes", "async_max_bytes", "async_max_bytes_per_key"):
         if isinstance(options.get(key), str):
             options[key] = parse_bytes(options[key], key)
     for name in ("upstream", "host", "port", "tokenizer", "api_key", "api_key_file", "upstream_api_key", "log",

@@ -41,16 +41,36 @@ class ControllerCollector:
 
 
 class _JobsCollector:
-    def __init__(self, jobs) -> None:
+    def __init__(self, jobs, runner=None) -> None:
         self.jobs = jobs
+        self.runner = runner
 
     def collect(self):
-        e = CounterMetricFamily("tierguard_gate_jobs_expired", "Finished async jobs deleted after --job-ttl-s")
-        e.add_metric([], self.jobs.expired)
-        u = CounterMetricFamily("tierguard_gate_jobs_undecryptable",
-                                "Async job reads refused: no configured key opens the file")
-        u.add_metric([], self.jobs.undecryptable)
-        return [e, u]
+        j = self.jobs
+        out = []
+        for name, doc, value in (
+            ("jobs_expired", "Finished async jobs deleted after --job-ttl-s", j.expired),
+            ("jobs_undecryptable", "Async job reads refused: no configured key opens the file", j.undecryptable),
+            ("jobs_disk_full", "Async job writes that failed with a full disk (ENOSPC, EDQUOT): a new job "
+                               "gets 507, a running one is failed", j.disk_full),
+            ("jobs_write_errors", "Async job writes that failed for another reason", j.write_errors),
+            ("jobs_failed_internal", "Async jobs failed by an exception (their worker went on)",
+             self.runner.failed_internal if self.runner is not None else 0),
+        ):
+            m = CounterMetricFamily("tierguard_gate_" + name, doc)
+            m.add_metric([], value)
+            out.append(m)
+        refused = CounterMetricFamily("tierguard_gate_jobs_refused", "New async jobs refused by a quota, by "
+                                      "reason (queue_full, quota_key_pending, quota_key_bytes, quota_total_bytes, "
+                                      "job_too_large)", labels=["reason"])
+        for reason, n in sorted(dict(j.refused).items()):
+            refused.add_metric([reason], n)
+        pending, nbytes = j.ledger.totals()
+        p = GaugeMetricFamily("tierguard_gate_jobs_pending", "Async jobs queued or running")
+        p.add_metric([], pending)
+        b = GaugeMetricFamily("tierguard_gate_jobs_bytes", "Bytes of async job files on disk")
+        b.add_metric([], nbytes)
+        return [*out, refused, p, b]
 
 
 class FleetCollector:
@@ -155,11 +175,12 @@ class GateMetrics:
         self.upstream_errors = Counter("tierguard_gate_upstream_errors", "Upstream failures by kind",
                                        ["kind"], registry=r)
 
-    def add_edge(self, guard, pool, jobs) -> None:
+    def add_edge(self, guard, pool, jobs, runner=None) -> None:
         """Slow peers, body limits, the byte rule and the tokenizer pool (`common/peers.py`),
-        plus async-job housekeeping: expired results deleted, files no key opens."""
+        plus async jobs: housekeeping (expired results, files no key opens), quota refusals,
+        write failures (a full disk) and jobs failed by an exception."""
         self.registry.register(EdgeCollector("tierguard_gate_", guard, pool))
-        self.registry.register(_JobsCollector(jobs))
+        self.registry.register(_JobsCollector(jobs, runner))
 
     def add_fleet(self, fleet, shared) -> None:
         """The upstreams (`upstreams.Fleet`) and, with --shared-state, the shared slots."""

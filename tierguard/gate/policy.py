@@ -69,6 +69,11 @@ class GateSettings:
     encrypt_key_file: str | None = None  # AES-256-GCM key for job files (common/crypto.py)
     encrypt_old_key_file: str | None = None  # a previous key: read-only, for a rotation
     async_workers: int = 4
+    # async-job quotas (job_quota.py): pending jobs and bytes on disk, in total and per API key
+    async_max_pending: int = 1024
+    async_max_pending_per_key: int = 64
+    async_max_bytes: int = 4096 * 1024**2
+    async_max_bytes_per_key: int = 512 * 1024**2
     connect_timeout_s: float = 3.0
     first_byte_timeout_s: float = 60.0
     read_timeout_s: float = 60.0  # longest silence from the upstream mid-stream
@@ -137,6 +142,7 @@ class GateSettings:
         for name in ("max_body_bytes", "max_model_len"):
             if getattr(self, name) is not None:
                 _positive_int(getattr(self, name), name)
+        self.job_limits()
         if self.encrypt_old_key_file is not None and self.encrypt_key_file is None:
             raise TierguardError("--encrypt-old-key-file needs --encrypt-key-file (the key new files are sealed with)")
         from tierguard.common.crypto import Key
@@ -157,6 +163,13 @@ class GateSettings:
             raise TierguardError("an API key is empty")
         self.policy.validate()
         return self
+
+    def job_limits(self):
+        """The async-job quotas, validated (a bad one names its option)."""
+        from tierguard.gate.job_quota import JobLimits
+
+        return JobLimits(max_pending=self.async_max_pending, max_pending_per_key=self.async_max_pending_per_key,
+                         max_bytes=self.async_max_bytes, max_bytes_per_key=self.async_max_bytes_per_key).validate()
 
 
 def _base_url(url: str) -> str:

@@ -18,7 +18,9 @@ from tierguard.common.tokenpool import PoolBusy
 from tierguard.gate.admission import Downgrade, HandOff, Rejected, RequestInfo
 from tierguard.gate.forward import UpstreamError, relay
 from tierguard.gate.http import error_response, read_json, tenant
+from tierguard.gate.jobs import DISK_FULL, JobRefused
 from tierguard.gate.reqlog import RequestRecord
+from tierguard.gate.runner import os_reason
 from tierguard.gate.state import GATE, GateState
 from tierguard.gate.tokens_fit import chat_bytes, text_bytes
 from tierguard.gate.trim import can_trim, trim_messages
@@ -62,7 +64,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         rec.token_count = counted.method
         state.metrics.child(state.metrics.token_counts, counted.method).inc()
         if as_async:
-            return _done(state, rec, arrived, _hand_off(state, request, route, body, n, rec, "requested"), "requested", "async")
+            return await _hand_off(state, request, route, body, n, rec, arrived, "requested")
         info = RequestInfo(input_tokens=n, priority=priority, can_downgrade=chat and can_trim(body.get("messages")))
         rec.klass = state.controller.classify(info)
         ticket = None
@@ -82,7 +84,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                 rec.input_tokens = trimmed.tokens
                 rec.klass = state.controller.classify(info)
             except HandOff as h:
-                return _done(state, rec, arrived, _hand_off(state, request, route, body, n, rec, h.reason), h.reason, "async")
+                return await _hand_off(state, request, route, body, n, rec, arrived, h.reason)
             except Rejected as r:
                 return _done(state, rec, arrived, error_response(
                     r.status, r.message, etype="rate_limit_exceeded" if r.status == 429 else "invalid_request_error",
@@ -191,15 +193,31 @@ def _cannot_fit(state: GateState, body: dict, chat: bool) -> str | None:
     return rule.refusal(nbytes, limit)
 
 
-def _hand_off(state: GateState, request: web.Request, route: str, body: dict, n: int, rec: RequestRecord,
-              reason: str) -> web.Response:
+async def _hand_off(state: GateState, request: web.Request, route: str, body: dict, n: int, rec: RequestRecord,
+                    arrived: float, reason: str) -> web.Response:
+    """202 with the new job; or the quota's refusal (429/503/413, naming the limit), or 507
+    when the disk is full. The job file is written in a thread (`JobRunner.create`)."""
     body.pop("stream", None)
     body.pop("stream_options", None)  # a job stores one whole answer
-    job = state.jobs.create(route, body, n, owner=tenant(request, state.settings.api_keys))
-    state.runner.submit(job)
+    try:
+        job = await state.runner.create(route, body, n, owner=tenant(request, state.settings.api_keys))
+    except JobRefused as exc:
+        etype = "rate_limit_exceeded" if exc.status == 429 else "server_busy" if exc.status == 503 \
+            else "invalid_request_error"
+        return _done(state, rec, arrived, error_response(exc.status, exc.message, etype=etype,
+                                                         retry_after_s=exc.retry_after_s), f"async_{exc.reason}", "reject")
+    except OSError as exc:
+        if exc.errno in DISK_FULL:
+            return _done(state, rec, arrived, error_response(
+                507, f"cannot store the async job: the jobs directory is full ({os_reason(exc)})",
+                etype="insufficient_storage"), "async_disk_full", "reject")
+        return _done(state, rec, arrived, error_response(
+            503, f"cannot store the async job: {os_reason(exc)}", etype="server_busy", retry_after_s=5),
+            "async_write_error", "reject")
     rec.job_id = job.id
     data = {**job.public(), "url": f"/v1/async/{job.id}", "reason": reason}
-    return web.json_response(data, status=202, headers={"Location": f"/v1/async/{job.id}"})
+    return _done(state, rec, arrived, web.json_response(data, status=202, headers={"Location": f"/v1/async/{job.id}"}),
+                 reason, "async")
 
 
 def _done(state: GateState, rec: RequestRecord, arrived: float, resp: web.Response, reason: str,

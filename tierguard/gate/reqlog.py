@@ -46,6 +46,7 @@ class RequestLog:
     def __init__(self, path: str | None, log_prompts: bool = False) -> None:
         self._file: TextIO | None = open(path, "a", buffering=1, encoding="utf-8") if path else None  # noqa: SIM115
         self.log_prompts = log_prompts
+        self.write_errors = 0  # records lost to a failed write (a full disk)
 
     def write(self, record: RequestRecord) -> None:
         if record.decision != "admit" or record.status >= 400:
@@ -58,7 +59,12 @@ class RequestLog:
         if not self.log_prompts:
             data.pop("prompt")
         data = {"time": round(time.time(), 3), **data}
-        self._file.write(json.dumps(data, separators=(",", ":")) + "\n")
+        try:
+            self._file.write(json.dumps(data, separators=(",", ":")) + "\n")
+        except OSError as exc:  # a full disk loses log lines, never the request being logged
+            self.write_errors += 1
+            if self.write_errors == 1:
+                log.warning("request log: cannot write (%s); records are dropped until it can", exc.strerror or exc)
 
     def close(self) -> None:
         if self._file is not None:

@@ -110,8 +110,9 @@ class GateState:
         reqlog = RequestLog(s.log, s.log_prompts)
         keyring = KeyRing.from_files(s.encrypt_key_file, [s.encrypt_old_key_file] if s.encrypt_old_key_file
                                      else []) if s.encrypt_key_file else None
-        jobs = JobStore(s.jobs_dir, ttl_s=s.job_ttl_s, keyring=keyring)
-        swept = jobs.sweep()
+        jobs = await asyncio.to_thread(JobStore, s.jobs_dir, ttl_s=s.job_ttl_s, keyring=keyring,
+                                       limits=s.job_limits())
+        swept = await asyncio.to_thread(jobs.sweep)
         if not s.api_keys:
             log.warning("no API keys configured (--api-key, --api-key-file): anyone who can reach the gate may "
                         "use it, and an async job's result is visible to anyone who knows its id")
@@ -119,7 +120,7 @@ class GateState:
             log.warning("async job files (prompts and answers) are stored unencrypted in %s; "
                         "pass --encrypt-key-file to encrypt them", s.jobs_dir)
         runner = JobRunner(jobs, controller, fleet, reqlog, s.async_workers)
-        requeued = runner.start()
+        requeued = await runner.start()
         log.info("async jobs in %s (%s, deleted %g s after they finish): %d re-queued, %d old results removed",
                  s.jobs_dir, f"AES-256-GCM, key {keyring.current.id_hex}" if keyring else "unencrypted",
                  s.job_ttl_s, requeued, swept)
@@ -127,7 +128,7 @@ class GateState:
                     session=session, upstream=upstream, fleet=fleet, counter=counter, runner=runner, guard=guard,
                     max_body_bytes=max_body, max_model_len=max_model_len,
                     token_bytes=rule if rule is not None and rule.exact and max_model_len else None)
-        state.metrics.add_edge(guard, counter.pool if isinstance(counter, LocalTokenizer) else None, jobs)
+        state.metrics.add_edge(guard, counter.pool if isinstance(counter, LocalTokenizer) else None, jobs, runner)
         state.metrics.add_fleet(fleet, controller if isinstance(controller, SharedAdmission) else None)
         fleet.start()
         state.tasks.append(asyncio.create_task(state._sweep_jobs()))
