@@ -18,6 +18,7 @@ from aiohttp import web
 
 from tierguard.common.peer_conn import guarded_runner
 from tierguard.common.peers import BodyError, PeerGuard, expect_json
+from tierguard.common.redact import redact_url
 from tierguard.gate.forward import UpstreamError
 from tierguard.gate.http import auth_middleware, error_response, json_errors_middleware, read_json, tenant
 from tierguard.gate.policy import GateSettings
@@ -74,7 +75,7 @@ async def token_route(request: web.Request) -> web.Response:
 
 
 async def _probe(state: GateState, u) -> dict:
-    out: dict = {"url": u.base_url}
+    out: dict = {"url": redact_url(u.base_url)}
     try:
         async with asyncio.timeout(2.0):
             async with state.session.get(u.base_url + "/health", headers=u.headers) as r:
@@ -164,7 +165,8 @@ async def serve(settings: GateSettings, on_ready: Callable[[int], None] | None =
     site = web.TCPSite(runner, settings.host, settings.port, backlog=4096)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    log.info("tierguard gate listening on http://%s:%d -> %s", settings.host, port, ", ".join(settings.upstreams))
+    log.info("tierguard gate listening on http://%s:%d -> %s", settings.host, port,
+             ", ".join(map(redact_url, settings.upstreams)))
     if on_ready is not None:
         on_ready(port)
     stop = stop or asyncio.Event()

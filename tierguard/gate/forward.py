@@ -26,6 +26,7 @@ import aiohttp
 from aiohttp import web
 
 from tierguard.common.peers import PeerGuard, SlowReader
+from tierguard.common.redact import redact_url
 
 _USAGE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _PROMPT_USAGE = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
@@ -67,7 +68,8 @@ class Upstream:
         except TimeoutError:
             raise UpstreamError(504, "timeout", f"upstream sent no response within {self.first_byte_timeout_s:g} s") from None
         except aiohttp.ClientConnectorError as exc:
-            raise UpstreamError(502, "unreachable", f"upstream {self.base_url} is unreachable: {exc.strerror or exc}") from None
+            raise UpstreamError(502, "unreachable", f"upstream {redact_url(self.base_url)} is unreachable: "
+                                                     f"{exc.strerror or exc}") from None
         except aiohttp.ClientError as exc:
             raise UpstreamError(502, "error", f"upstream request failed: {type(exc).__name__}") from None
 

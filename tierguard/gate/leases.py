@@ -46,6 +46,8 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
+from tierguard.common.redact import redact_url
+
 QUEUES = ("interactive", "long", "batch", "async")  # queue order; index = position in the scripts
 
 _REAP = """
@@ -196,7 +198,7 @@ class LeaseStore:
 
     def __init__(self, url: str, *, prefix: str = "tierguard:gate", lease_ms: int = 5000,
                  timeout_s: float = 0.1, max_connections: int = 32) -> None:
-        self.url = url
+        self.url = redact_url(url)  # for logs and messages: never the password
         self.prefix = prefix
         self.lease_ms = int(lease_ms)
         self.waiter_ms = max(200, self.lease_ms // 5)

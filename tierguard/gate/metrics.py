@@ -14,6 +14,7 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from tierguard.common.histogram import LatencyHistogram
 from tierguard.common.peers import EdgeCollector
+from tierguard.common.redact import redact_url
 from tierguard.gate.admission import AdmissionController
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -95,15 +96,16 @@ class FleetCollector:
                                              labels=labels),
         }
         for r in self.fleet.replicas:
-            fams["in_flight"].add_metric([r.url], r.in_flight)
-            fams["queued"].add_metric([r.url], r.queued)
-            fams["healthy"].add_metric([r.url], int(r.healthy))
-            fams["ejections"].add_metric([r.url], r.ejections)
+            label = [redact_url(r.url)]
+            fams["in_flight"].add_metric(label, r.in_flight)
+            fams["queued"].add_metric(label, r.queued)
+            fams["healthy"].add_metric(label, int(r.healthy))
+            fams["ejections"].add_metric(label, r.ejections)
         routed = CounterMetricFamily("tierguard_gate_routed", "Routing choices by upstream and reason "
                                      "(prefix_hit, load, sticky, round_robin, failover)",
                                      labels=["upstream", "reason"])
         for (index, reason), n in sorted(self.fleet.routed.items()):
-            routed.add_metric([self.fleet.replicas[index].url, reason], n)
+            routed.add_metric([redact_url(self.fleet.replicas[index].url), reason], n)
         out = [*fams.values(), routed]
         index = getattr(self.fleet.router, "index", None)
         if index is not None:

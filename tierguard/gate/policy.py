@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from tierguard.common.errors import TierguardError
+from tierguard.common.redact import redact_url
 
 OVERFLOW_ACTIONS = ("reject", "downgrade", "async")
 PRIORITIES = ("interactive", "batch")
@@ -107,7 +108,7 @@ class GateSettings:
         urls = [str(u) for u in (self.upstreams or [self.upstream])]
         self.upstreams = [_base_url(u) for u in urls]
         if len(set(self.upstreams)) != len(self.upstreams):
-            raise TierguardError(f"--upstream given twice for the same URL: {', '.join(self.upstreams)}")
+            raise TierguardError(f"--upstream given twice for the same URL: {', '.join(map(redact_url, self.upstreams))}")
         self.upstream = self.upstreams[0]
         from tierguard.gate.routing import ROUTES
 
@@ -126,7 +127,7 @@ class GateSettings:
             raise TierguardError(f"route_imbalance must be a whole number >= 0, got {self.route_imbalance!r}")
         if self.shared_state is not None:
             if not str(self.shared_state).startswith(("redis://", "rediss://", "unix://")):
-                raise TierguardError(f"--shared-state must be a redis:// URL, got {self.shared_state!r}")
+                raise TierguardError(f"--shared-state must be a redis:// URL, got {redact_url(self.shared_state)!r}")
             if self.lease_ms < 3 * self.shared_timeout_ms:
                 raise TierguardError(f"--lease-ms {self.lease_ms:g} is too short for --shared-timeout-ms "
                                      f"{self.shared_timeout_ms:g}: renewals every lease/3 must fit in a lease")
@@ -174,7 +175,7 @@ class GateSettings:
 
 def _base_url(url: str) -> str:
     if not url.startswith(("http://", "https://")):
-        raise TierguardError(f"--upstream must be an http(s) URL, got {url!r}")
+        raise TierguardError(f"--upstream must be an http(s) URL, got {redact_url(url)!r}")
     url = url.rstrip("/")
     return url[:-3] if url.endswith("/v1") else url
 

@@ -12,6 +12,7 @@ from aiohttp import web
 
 from tierguard.common.crypto import KeyRing
 from tierguard.common.peers import PeerGuard, PeerLimits
+from tierguard.common.redact import redact_url
 from tierguard.gate.admission import AdmissionController
 from tierguard.gate.forward import Upstream
 from tierguard.gate.jobs import JobStore
@@ -64,7 +65,7 @@ class GateState:
                                timeout_s=s.shared_timeout_ms / 1000)
             controller = SharedAdmission(s.policy, store, min_gates=s.shared_gates)
             await controller.start()
-            log.info("shared limits in %s (prefix %s, lease %d ms): %s", s.shared_state, s.shared_prefix,
+            log.info("shared limits in %s (prefix %s, lease %d ms): %s", redact_url(s.shared_state), s.shared_prefix,
                      s.lease_ms, f"{controller.counters.live_gates} live gate(s)" if controller.up
                      else "unreachable, local share for now")
         else:
@@ -86,7 +87,7 @@ class GateState:
                              index_entries=s.route_index_entries) if len(upstreams) > 1 else RoundRobin()
         fleet = Fleet(upstreams, router, health_interval_s=s.health_interval_s, eject_after=s.eject_after)
         if len(upstreams) > 1:
-            log.info("%d upstreams, route %s: %s", len(upstreams), s.route, ", ".join(s.upstreams))
+            log.info("%d upstreams, route %s: %s", len(upstreams), s.route, ", ".join(map(redact_url, s.upstreams)))
         counter: TokenCounter
         if s.tokenizer:
             counter = LocalTokenizer(s.tokenizer, use_byte_bound=not s.exact_token_count,

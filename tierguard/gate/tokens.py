@@ -27,6 +27,7 @@ from pathlib import Path
 
 import aiohttp
 
+from tierguard.common.redact import redact_url
 from tierguard.common.tokenpool import RawTokenizer, TokenizerPool
 from tierguard.gate.tokens_bound import PROBE_TEXT, TEXT_SLACK_TOKENS, byte_bound, is_byte_level, utf8_len
 from tierguard.gate.tokens_fit import token_bytes_from_json
@@ -149,7 +150,7 @@ class UpstreamTokenizer(TokenCounter):
         self.url = base_url + "/tokenize"
         self.pick = pick  # several upstreams: the base URL of a healthy one, per call
         self.headers = headers
-        self.source = f"upstream {self.url}"
+        self.source = f"upstream {redact_url(self.url)}"
         self.failures = 0
         self.use_byte_bound = use_byte_bound
 

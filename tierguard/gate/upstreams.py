@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from tierguard.common.redact import redact_url
 from tierguard.gate.forward import Upstream, UpstreamError
 from tierguard.gate.prefix_index import render_chat, render_prompt
 from tierguard.gate.routing import PrefixAware, ReplicaLoad, RouteDecision, Router, RouteRequest
@@ -175,7 +176,7 @@ class Fleet:
         now = time.monotonic()
         if r.healthy:
             r.ejections += 1
-            log.warning("upstream %s ejected: %s", r.url, why)
+            log.warning("upstream %s ejected: %s", redact_url(r.url), why)
         r.healthy = False
         r.soft_failures = 0
         r.backoff_s = min(self.backoff_max_s, max(self.backoff_min_s, r.backoff_s * 2))
@@ -195,7 +196,7 @@ class Fleet:
             if ok:
                 if not r.healthy:
                     r.healthy = True
-                    log.warning("upstream %s readmitted after a passing health probe", r.url)
+                    log.warning("upstream %s readmitted after a passing health probe", redact_url(r.url))
                 await self._scrape(r)
                 r.wake.clear()
                 with contextlib.suppress(TimeoutError):

@@ -11,6 +11,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from tierguard.common.errors import TierguardError
+from tierguard.common.redact import redact_url
 
 
 def add_tier_flags(p: argparse.ArgumentParser) -> None:
@@ -28,7 +29,8 @@ def add_tier_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--kv-remote-url",
         default=None,
-        help="shared remote KV tier on Redis, redis://HOST:PORT[/DB]: full prefix blocks are written "
+        help="shared remote KV tier on Redis, redis://[[USER]:PASSWORD@]HOST:PORT[/DB] (rediss:// for TLS; "
+        "docs/fleet.md): full prefix blocks are written "
         "behind the answer and read by every replica naming the same Redis (needs --kv-host-gib)",
     )
     g.add_argument(
@@ -107,20 +109,22 @@ def remote_kwargs(args: argparse.Namespace, host_gib: float) -> dict:
 
 
 def check_redis_url(url: str, flag: str) -> None:
-    """redis://HOST:PORT[/DB] (or rediss://, unix://PATH); a one-line error otherwise."""
+    """redis://[[USER]:PASSWORD@]HOST:PORT[/DB][?OPTIONS] (or rediss:// for TLS, unix://PATH);
+    a one-line error otherwise."""
+    shown = redact_url(url)  # messages never carry the password
     try:
         parts = urlsplit(url)
         port, db = parts.port, parts.path.strip("/")
     except ValueError as e:
-        raise TierguardError(f"{flag} {url!r}: {e}") from None
+        raise TierguardError(f"{flag} {shown!r}: {e}") from None
     if parts.scheme == "unix" and parts.path:
         return
     if parts.scheme not in ("redis", "rediss") or not parts.hostname:
-        raise TierguardError(f"{flag} must be redis://HOST:PORT[/DB], got {url!r}")
+        raise TierguardError(f"{flag} must be redis://HOST:PORT[/DB], got {shown!r}")
     if port is None:
-        raise TierguardError(f"{flag} {url!r} names no port")
+        raise TierguardError(f"{flag} {shown!r} names no port")
     if db and not db.isdigit():
-        raise TierguardError(f"{flag} {url!r}: the database must be a number, got {db!r}")
+        raise TierguardError(f"{flag} {shown!r}: the database must be a number, got {db!r}")
 
 
 def tier_kwargs(args: argparse.Namespace) -> dict:

@@ -44,6 +44,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from tierguard.common.errors import TierguardError
+from tierguard.common.redact import redact_text, redact_url
 from tierguard.common.stats import counter, gauge
 from tierguard.kv.guard import ColdContractViolation, decode_in_progress
 from tierguard.kv.media import Buffer, ColdMedium, KeyedBlocks, MediumContext, register_medium
@@ -119,7 +120,7 @@ class RemoteTier(ColdMedium):
     ) -> None:
         if ttl_s <= 0 or timeout_ms <= 0 or refresh_s <= 0 or capacity_bytes <= 0:
             raise TierguardError("remote KV tier: ttl, timeout, refresh and budget must be positive")
-        self.url = url
+        self.url = redact_url(url)  # for logs and messages: never the password
         self.fingerprint = fingerprint
         self.codec = codec
         self.capacity_bytes = int(capacity_bytes)
@@ -135,7 +136,7 @@ class RemoteTier(ColdMedium):
                 url, socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0)
             )
         except ValueError as e:
-            raise TierguardError(f"remote KV tier: bad url {url!r}: {e}") from None
+            raise TierguardError(f"remote KV tier: bad url {self.url!r}: {e}") from None
         self.index = RemoteIndex(self.client, self._prefix + "journal", self.ttl_ms, self.stored_bytes)
         self._lock = threading.Lock()
         self._c = dict.fromkeys(_COUNTERS, 0)
@@ -158,7 +159,7 @@ class RemoteTier(ColdMedium):
     def reason(self) -> str:  # type: ignore[override]
         if not self.breaker.failing:
             return ""
-        return f"redis unreachable ({self.breaker.state}): {self.breaker.last_error}"
+        return f"redis unreachable ({self.breaker.state}): {redact_text(self.breaker.last_error)}"
 
     def key(self, block_hash: int) -> str:
         return f"{self._prefix}{block_hash:016x}"
