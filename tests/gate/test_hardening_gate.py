@@ -35,6 +35,7 @@ async def _metrics(s: aiohttp.ClientSession, url: str) -> str:
 def test_jobs_belong_to_their_key_are_encrypted_and_expire(tmp_path):
     keys = tmp_path / "keys"
     keys.write_text(f"{KEY_A}\n{KEY_B}\n")
+    os.chmod(keys, 0o600)  # a key file others can read is refused, like the encryption key
     enc = tmp_path / "enc.key"
     enc.write_bytes(os.urandom(32))
     os.chmod(enc, 0o600)

@@ -116,7 +116,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--config", help="TOML or YAML file with the same options as the flags (flags win)")
     p.add_argument("--tokenizer", help="local directory with tokenizer.json (default: upstream /tokenize, else estimate)")
     p.add_argument("--api-key", help="key clients must send as 'Authorization: Bearer KEY' (or TIERGUARD_API_KEY)")
-    p.add_argument("--api-key-file", help="file with one client key per line")
+    p.add_argument("--api-key-file", help="file with one client key per line; mode 0600 (a file group or others "
+                                          "can read is refused, as for --encrypt-key-file)")
     p.add_argument("--upstream-api-key", help="key sent to the upstream (or TIERGUARD_UPSTREAM_API_KEY)")
     p.add_argument("--log", help="JSONL request log file")
     p.add_argument("--log-prompts", action="store_true", default=None, help="include prompt text in the log")

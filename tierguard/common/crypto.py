@@ -82,20 +82,33 @@ class Key:
     @classmethod
     def from_file(cls, path: str | Path) -> Key:
         """Read a key file (raw 32 bytes, 64 hex characters or base64); refuse loose permissions."""
-        p = Path(path)
-        try:
-            st = p.stat()
-            raw = p.read_bytes()
-        except OSError as exc:
-            raise TierguardError(f"cannot read key file {str(path)!r}: {exc.strerror or exc}") from None
+        return cls(_decode_key(read_private_file(path, "key file"), str(path)))
+
+
+def read_private_file(path: str | Path, what: str) -> bytes:
+    """The bytes of a file that holds secrets (an encryption key, the gate's API keys).
+
+    Refused with a one-line TierguardError naming `what` and the path: unreadable, not a
+    regular file (a FIFO is not waited on), or open to group or others in any way
+    (the message gives the `chmod 600` that fixes it). The checks are made on the opened
+    file, so a rename between check and read cannot swap it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise TierguardError(f"cannot read {what} {str(path)!r}: {exc.strerror or exc}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise TierguardError(f"key file {str(path)!r} is not a regular file")
+            raise TierguardError(f"{what} {str(path)!r} is not a regular file")
         if st.st_mode & 0o077:
             raise TierguardError(
-                f"key file {str(path)!r} can be read by group or others (mode {stat.S_IMODE(st.st_mode):o}); "
+                f"{what} {str(path)!r} can be read by group or others (mode {stat.S_IMODE(st.st_mode):o}); "
                 f"run `chmod 600 {path}`"
             )
-        return cls(_decode_key(raw, str(path)))
+        try:
+            return f.read()
+        except OSError as exc:
+            raise TierguardError(f"cannot read {what} {str(path)!r}: {exc.strerror or exc}") from None
 
 
 def _decode_key(raw: bytes, where: str) -> bytes:

@@ -35,9 +35,37 @@ async def read_json(request: web.Request, guard: PeerGuard, max_bytes: int) -> d
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise BodyError(400, "malformed JSON body") from None
+    except RecursionError:  # the parser's own depth guard: thousands of nested [ or {
+        raise BodyError(400, "the JSON body is nested too deeply") from None
     if not isinstance(body, dict):
         raise BodyError(400, "the body must be a JSON object")
     return body
+
+
+_JSON_TYPE = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number",
+              bool: "a boolean", type(None): "null"}
+
+
+def messages_problem(messages: object) -> str | None:
+    """Why a chat body's `messages` cannot be served, or None: a non-empty array of objects,
+    each with a string `role` and a `content` that is a string, an array of part objects,
+    or null (an assistant turn with tool calls). Checked before counting, so every later
+    step may rely on the shape."""
+    if not isinstance(messages, list) or not messages:
+        return "'messages' must be a non-empty list"
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            return f"messages[{i}] must be an object with 'role' and 'content', got {_JSON_TYPE.get(type(m), 'a value')}"
+        if not isinstance(m.get("role"), str):
+            return f"messages[{i}].role must be a string"
+        content = m.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            return f"messages[{i}].content must be a string or a list of parts, got {_JSON_TYPE.get(type(content))}"
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if not isinstance(part, dict):
+                    return f"messages[{i}].content[{j}] must be an object (a content part)"
+    return None
 
 
 def key_matches(presented: str, keys: list[str]) -> bool:

@@ -41,7 +41,7 @@ import re
 import secrets
 import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from tierguard.common.crypto import DecryptError, KeyRing
@@ -151,7 +151,9 @@ class JobStore:
 
     def _encode(self, job: Job) -> bytes:
         job.updated_at = time.time()
-        data = json.dumps(asdict(job)).encode()
+        # shallow (asdict would copy the body recursively, and a deeply nested body past
+        # Python's recursion limit); json's C encoder walks it once
+        data = json.dumps({f.name: getattr(job, f.name) for f in fields(job)}).encode()
         return self.keyring.seal(data, self._aad(job.id)) if self.keyring is not None else data
 
     def save(self, job: Job) -> None:
@@ -205,7 +207,7 @@ class JobStore:
                 with self._lock:
                     self._unsaved.pop(job_id, None)
                 return None
-            return Job(**asdict(job))
+            return replace(job)
         job = self._read(job_id)
         if job is not None and job.status not in PENDING and job.updated_at < time.time() - self.ttl_s:
             self._delete(self.dir / f"{job_id}{self.suffix}")

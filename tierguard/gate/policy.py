@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from tierguard.common.errors import TierguardError
+from tierguard.common.errors import TierguardError, read_text
 from tierguard.common.redact import redact_url
 
 OVERFLOW_ACTIONS = ("reject", "downgrade", "async")
@@ -204,7 +204,7 @@ def load_config(path: str) -> dict:
     p = Path(path)
     if not p.is_file():
         raise TierguardError(f"config file {path!r} not found")
-    text = p.read_text(encoding="utf-8")
+    text = read_text(p, "config file")
     try:
         if p.suffix.lower() == ".toml":
             try:
@@ -256,10 +256,14 @@ def build_settings(options: dict) -> GateSettings:
 
 
 def _read_keys(path: str) -> list[str]:
+    """One key per line (blank lines and # comments skipped), from a file only its owner can
+    read: the same check as the encryption key files (`read_private_file`)."""
+    from tierguard.common.crypto import read_private_file
+
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise TierguardError(f"cannot read API key file {path!r}: {exc.strerror}") from None
+        lines = read_private_file(path, "API key file").decode("utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise TierguardError(f"API key file {path!r} is not UTF-8 text") from None
     keys = [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
     if not keys:
         raise TierguardError(f"API key file {path!r} holds no key")

@@ -17,7 +17,7 @@ from tierguard.common.peers import BodyError
 from tierguard.common.tokenpool import PoolBusy
 from tierguard.gate.admission import Downgrade, HandOff, Rejected, RequestInfo
 from tierguard.gate.forward import UpstreamError, relay
-from tierguard.gate.http import error_response, read_json, tenant
+from tierguard.gate.http import error_response, messages_problem, read_json, tenant
 from tierguard.gate.jobs import DISK_FULL, JobRefused
 from tierguard.gate.reqlog import RequestRecord
 from tierguard.gate.runner import os_reason
@@ -43,8 +43,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     rec = RequestRecord(route=route)
     try:
         body = await read_json(request, state.guard, state.max_body_bytes)
-        if chat and not (isinstance(body.get("messages"), list) and body["messages"]):
-            return _done(state, rec, arrived, error_response(400, "'messages' must be a non-empty list"), "bad_request")
+        problem = messages_problem(body.get("messages")) if chat else None
+        if problem is not None:
+            return _done(state, rec, arrived, error_response(400, problem), "bad_request")
         if not chat and "prompt" not in body:
             return _done(state, rec, arrived, error_response(400, "'prompt' is required"), "bad_request")
         refusal = _cannot_fit(state, body, chat)
@@ -98,6 +99,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     except PoolBusy as exc:  # counting (or trimming) found the tokenizer queue full
         return _done(state, rec, arrived, error_response(503, f"{exc}; retry shortly", etype="server_busy",
                                                          retry_after_s=exc.retry_after_s), "tokenizer_busy")
+    except RecursionError:  # a body nested just below the parser's limit, walked deeper by a later step
+        return _done(state, rec, arrived, error_response(400, "the JSON body is nested too deeply"), "bad_request")
     except BodyError as exc:  # raised by read_json: 400/408/413
         resp = error_response(exc.status, exc.message)
         if exc.status != 400:

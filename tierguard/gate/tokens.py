@@ -36,8 +36,10 @@ PER_MESSAGE_OVERHEAD = 4  # role markers and separators a chat template adds per
 CHARS_PER_TOKEN = 4
 
 
-def message_text(message: dict) -> str:
+def message_text(message: object) -> str:
     """The text of one chat message; multi-part content keeps only its text parts."""
+    if not isinstance(message, dict):
+        return ""
     content = message.get("content")
     if isinstance(content, str):
         return content
@@ -164,6 +166,9 @@ class UpstreamTokenizer(TokenCounter):
                     return None
                 data = await resp.json()
         except (aiohttp.ClientError, TimeoutError, ValueError):
+            self.failures += 1
+            return None
+        if not isinstance(data, dict):  # not the answer /tokenize gives: count another way
             self.failures += 1
             return None
         if isinstance(data.get("count"), int):
