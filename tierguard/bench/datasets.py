@@ -16,7 +16,7 @@ import numpy as np
 
 from tierguard.bench.config import BenchConfig
 from tierguard.bench.prompts import PromptMaker
-from tierguard.common.errors import TierguardError
+from tierguard.common.errors import TierguardError, read_text
 
 
 @dataclass
@@ -105,7 +105,7 @@ def _trace(cfg: BenchConfig, maker: PromptMaker, rng) -> list[RequestSpec]:
     if not path.is_file():
         raise TierguardError(f"--trace {path}: no such file")
     rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(read_text(path, "--trace").splitlines(), 1):
         if not line.strip():
             continue
         try:

@@ -68,7 +68,7 @@ def prepare_run_dir(run_dir: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     from tierguard.predict.calibrate import ProbePlan, default_cache_dir
     from tierguard.predict.predictor import predict_matrix
-    from tierguard.sweep.matrix import load_matrix
+    from tierguard.sweep.matrix import load_matrix, read_matrix_text
 
     matrix = load_matrix(args.matrix)
     names = {v.name for v in matrix.variants}
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    doc = predict_matrix(matrix, run_dir, cache, log, Path(args.matrix).read_text(), args.variant, plan)
+    doc = predict_matrix(matrix, run_dir, cache, log, read_matrix_text(args.matrix), args.variant, plan)
     recs: list[str] = []
     if not args.no_report:
         from tierguard.report import write_report

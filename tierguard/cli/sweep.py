@@ -98,7 +98,7 @@ def default_run_dir(name: str) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tierguard.sweep.matrix import load_matrix
+    from tierguard.sweep.matrix import load_matrix, read_matrix_text
 
     matrix = load_matrix(args.matrix)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(matrix.name)
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise TierguardError(f"--run-dir {str(run_dir)!r} cannot be created: {exc.strerror or exc}") from None
-    text = Path(args.matrix).read_text()
+    text = read_matrix_text(args.matrix)
     predicted = None
     if args.predict_first:
         predicted = predict_first(matrix, run_dir, text, args.calibration_dir)

@@ -103,8 +103,8 @@ def parse_ttft_budgets(text: str) -> dict[str, float]:
             ms = float(value)
         except ValueError:
             raise TierguardError(f"--ttft-budget-ms: {value!r} is not a number of milliseconds") from None
-        if ms <= 0:
-            raise TierguardError(f"--ttft-budget-ms: budget for {name} must be positive, got {ms}")
+        if not 0 < ms < float("inf"):  # nan and inf too: a deadline must be a real time
+            raise TierguardError(f"--ttft-budget-ms: budget for {name} must be a positive number, got {value.strip()}")
         budgets[name] = ms
     return budgets
 

@@ -7,6 +7,7 @@ the CLI requires. Validation happens here, before the model loads.
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -131,6 +132,11 @@ def tier_kwargs(args: argparse.Namespace) -> dict:
     """Engine keyword arguments for the tier flags; raises TierguardError on bad input."""
     from tierguard.kv.contract import parse_ttft_budgets
 
+    for name in ("kv_host_gib", "kv_disk_gib", "kv_disk_ttl_s", "kv_remote_ttl_s", "kv_remote_gib",
+                 "kv_remote_timeout_ms"):
+        value = getattr(args, name, None)  # argparse's float() takes "nan" and "inf"
+        if isinstance(value, float) and not math.isfinite(value):
+            raise TierguardError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
     host = getattr(args, "kv_host_gib", 0.0) or 0.0
     disk_gib = getattr(args, "kv_disk_gib", 0.0) or 0.0
     disk_dir = getattr(args, "kv_disk_dir", None)

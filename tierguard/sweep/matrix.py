@@ -16,7 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tierguard.common.errors import TierguardError
+from tierguard.common.errors import TierguardError, read_text
 from tierguard.common.units import parse_tokens
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -277,12 +277,17 @@ def parse_matrix(data: Any, source: str = "matrix") -> Matrix:
         raise TierguardError(f"{source}: invalid matrix: " + "; ".join(problems)) from None
 
 
+def read_matrix_text(path: str | Path) -> str:
+    """The matrix file's text; not UTF-8 or unreadable: one TierguardError line."""
+    return read_text(path, "matrix file")
+
+
 def load_matrix(path: str | Path) -> Matrix:
     p = Path(path)
     if not p.is_file():
         raise TierguardError(f"matrix file {str(p)!r} not found")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.safe_load(read_matrix_text(p))
     except yaml.YAMLError as exc:
         raise TierguardError(f"{p}: not valid YAML: {str(exc).splitlines()[0]}") from None
     return parse_matrix(data, str(p))

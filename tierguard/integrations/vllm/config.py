@@ -7,13 +7,19 @@ case, plus the load deadlines and the store queue.
 
 Validation is serve's own (tierguard/serve/tier_flags.py), so a value `tierguard serve`
 refuses is refused here with the same reason, naming the option as the user wrote it.
+Beyond it: every number must be finite (JSON configs can say "nan" or "inf"), the
+directories must be writable by the process now (not at the first store, mid-run), and
+the connector's own counts have bounds (`BOUNDS`, docs/vllm-connector.md).
 Only this file knows the option names; nothing here imports vLLM.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import re
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +59,9 @@ _OWN_OPTIONS: dict[str, Any] = {
     "fault_file": None,  # tests and benchmarks only: a JSON file of faults to arm (faults.py)
 }
 OPTIONS = {**_SERVE_OPTIONS, **_OWN_OPTIONS}
+# (least, most) for the connector's own counts: past them a value is a typo, not a plan
+# (each transfer thread is an OS thread; each queued store pins a host-RAM slot)
+BOUNDS = {"transfer_threads": (1, 64), "store_queue_blocks": (1, 65536), "metrics_port": (0, 65535)}
 _FLAG = re.compile(r"--([a-z0-9]+(?:-[a-z0-9]+)*)")
 
 
@@ -128,16 +137,47 @@ def parse_deadlines(value: Any, contract: ColdContract) -> dict[str, float]:
     return out
 
 
-def _positive_int(options: Mapping[str, Any], name: str, minimum: int) -> int:
+def _bounded_int(options: Mapping[str, Any], name: str) -> int:
     value = options[name]
+    least, most = BOUNDS[name]
     if (
         isinstance(value, bool)
         or not isinstance(value, int | float)
+        or not math.isfinite(value)
         or int(value) != value
-        or value < minimum
+        or value < least
     ):
-        raise TierguardError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        raise TierguardError(f"{name} must be an integer >= {least}, got {value!r}")
+    if value > most:
+        raise TierguardError(f"{name} must be at most {most}, got {value!r}")
     return int(value)
+
+
+def _number(options: Mapping[str, Any], name: str) -> float:
+    """A finite float from a number or a numeric string, or a TierguardError naming `name`."""
+    value = options[name]
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = float(value)
+    except (TypeError, ValueError):
+        raise TierguardError(f"{name} must be a number, got {value!r}") from None
+    if not math.isfinite(number):
+        raise TierguardError(f"{name} must be a finite number, got {value!r}")
+    return number
+
+
+def _writable_dir(name: str, path: str) -> None:
+    """`path` is (made, if missing) a directory this process can create files in: refused
+    now, naming the option, rather than at the first store, mid-run. The probe is a real
+    file, so a read-only mount is caught even for root, whom permission bits do not stop."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".tierguard-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise TierguardError(f"{name} {path!r} is not a writable directory: {e.strerror or e}") from None
 
 
 def parse_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -154,12 +194,9 @@ def parse_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
         options["ttft_budget_ms"] = ",".join(f"{k}={v}" for k, v in budgets.items())
     elif budgets is not None:
         options["ttft_budget_ms"] = str(budgets)
-    try:
-        for name in ("kv_host_gib", "kv_disk_gib", "kv_disk_ttl_s", "kv_remote_ttl_s", "kv_remote_gib"):
-            options[name] = float(options[name])
-        options["kv_remote_timeout_ms"] = float(options["kv_remote_timeout_ms"])
-    except (TypeError, ValueError) as e:
-        raise TierguardError(f"kv_connector_extra_config: {e}") from None
+    for name in ("kv_host_gib", "kv_disk_gib", "kv_disk_ttl_s", "kv_remote_ttl_s", "kv_remote_gib",
+                 "kv_remote_timeout_ms"):
+        options[name] = _number(options, name)
     if options["kv_host_gib"] <= 0:
         raise TierguardError(
             "kv_host_gib must be positive: host RAM is the connector's staging area and its first tier"
@@ -172,6 +209,7 @@ def parse_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
         raise TierguardError(_snake(str(e))) from None
     media: dict[str, dict[str, Any]] = {}
     if kw["kv_disk_dir"] is not None:
+        _writable_dir("kv_disk_dir", str(kw["kv_disk_dir"]))
         media["disk"] = {"dir": kw["kv_disk_dir"], "capacity_bytes": int(kw["kv_disk_gib"] * GIB)}
         if kw.get("kv_disk_ttl_s"):
             media["disk"]["ttl_s"] = kw["kv_disk_ttl_s"]
@@ -182,9 +220,8 @@ def parse_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
         raise TierguardError(
             f"default_class must be one of {REQUEST_CLASSES}, got {options['default_class']!r}"
         )
-    port = _positive_int(options, "metrics_port", 0)
-    if port > 65535:
-        raise TierguardError(f"metrics_port must be a TCP port (0: off), got {port}")
+    port = _bounded_int(options, "metrics_port")
+    _writable_dir("host_shm_dir", str(options["host_shm_dir"]))
     return ConnectorConfig(
         host_bytes=int(kw["kv_host_gib"] * GIB),
         media=media,
@@ -193,8 +230,8 @@ def parse_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
         ttft_budget_ms=budgets_ms,
         load_deadline_ms=parse_deadlines(options["load_deadline_ms"], ColdContract(budgets_ms)),
         default_class=default_class,
-        store_queue_blocks=_positive_int(options, "store_queue_blocks", 1),
-        transfer_threads=_positive_int(options, "transfer_threads", 1),
+        store_queue_blocks=_bounded_int(options, "store_queue_blocks"),
+        transfer_threads=_bounded_int(options, "transfer_threads"),
         metrics_port=port,
         metrics_host=str(options["metrics_host"]),
         host_shm_dir=str(options["host_shm_dir"]),
