@@ -145,21 +145,23 @@ def test_an_upstream_tokenize_that_answers_a_list_is_not_a_500(tmp_path):
 
 
 def test_an_api_key_file_others_can_read_is_refused_like_the_encryption_key(tmp_path, capsys):
+    from tierguard.common.errors import TierguardError
+    from tierguard.gate.policy import _read_keys, build_settings
+
     keys = tmp_path / "keys"
     keys.write_text("sk-one\nsk-two\n")
     os.chmod(keys, 0o644)
-    argv = ["gate", "--upstream", "http://127.0.0.1:9", "--port", "0", "--jobs-dir", str(tmp_path / "jobs"),
-            "--api-key-file", str(keys)]
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "API key file" in err and "group or others" in err and "chmod 600" in err
-    assert "sk-one" not in err
+    options = {"upstream": "http://127.0.0.1:9", "jobs_dir": str(tmp_path / "jobs"), "api_key_file": str(keys)}
+    with pytest.raises(TierguardError) as refused:  # settings first: a gate that took it would start serving
+        build_settings(options)
+    msg = str(refused.value)
+    assert "API key file" in msg and "group or others" in msg and "chmod 600" in msg and "sk-one" not in msg
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo, 0o600)  # never waited on
-    assert main([*argv[:-1], str(fifo)]) == 2
-    assert "not a regular file" in capsys.readouterr().err
-    from tierguard.gate.policy import _read_keys
-
+    argv = ["gate", "--upstream", "http://127.0.0.1:9", "--port", "0", "--jobs-dir", str(tmp_path / "jobs")]
+    assert main([*argv, "--api-key-file", str(fifo)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "not a regular file" in err
     os.chmod(keys, 0o600)
     assert _read_keys(str(keys)) == ["sk-one", "sk-two"]
 

@@ -46,32 +46,35 @@ def test_a_full_disk_answers_507_and_is_counted(disk):
 
 
 def test_workers_survive_jobs_that_fail_and_the_next_job_completes(disk):
-    """Four workers, four jobs whose result cannot be stored (the disk filled while they ran):
-    each fails with a reason a client can read, and a fifth job still runs to the end."""
+    """Four workers, each running a job while four more wait in the queue; the disk fills.
+    The running four cannot store their results, the waiting four cannot store their
+    "running" state: each of the eight fails with a reason a client can read, all four
+    workers live on, and once the disk has room a ninth job runs to the end."""
 
     async def go():
         up = await HeldUpstream().start()
         try:
             async with gate_in_process(up.url, disk.dir / "jobs", async_workers=4) as (app, gate, s):
-                ids = [(await post(s, gate + ASYNC, {"prompt": f"job {i} " * 50}))[1]["id"] for i in range(4)]
-                await up.until_arrived(4)  # all four running: their "running" state is on disk
+                ids = [(await post(s, gate + ASYNC, {"prompt": f"job {i} " * 50}))[1]["id"] for i in range(8)]
+                await up.until_arrived(4)  # four running (their state on disk), four queued
                 disk.fill()
                 up.release()
                 failed = [await until_done(s, gate, i, app=app) for i in ids]
                 counted = await metric(s, gate, "tierguard_gate_jobs_failed_internal_total")
                 disk.free()
-                status, body, _ = await post(s, gate + ASYNC, {"prompt": "the fifth"})
-                fifth = await until_done(s, gate, body["id"], app=app)
-                return failed, counted, status, fifth, live_workers(app)
+                status, body, _ = await post(s, gate + ASYNC, {"prompt": "the ninth"})
+                last = await until_done(s, gate, body["id"], app=app)
+                return failed, counted, status, last, live_workers(app), up.arrived
         finally:
             await up.stop()
 
-    failed, counted, status, fifth, workers = asyncio.run(go())
+    failed, counted, status, last, workers, arrived = asyncio.run(go())
     for j in failed:
         assert j["status"] == "failed" and j["http_status"] == 507, j
         assert "full" in j["error"], j
-    assert counted == 0  # a full disk is not a bug: the jobs failed through the ordinary path
-    assert status == 202 and fifth["status"] == "succeeded", fifth
+    assert counted == 4  # the four whose "running" write raised inside the worker
+    assert arrived == 5  # the queued four never reached the upstream; the ninth did
+    assert status == 202 and last["status"] == "succeeded", last
     assert workers == 4
 
 
