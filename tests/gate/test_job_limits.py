@@ -160,3 +160,17 @@ def test_job_files_are_written_off_the_event_loop_which_stays_responsive(tmp_pat
     health, status, done = asyncio.run(go())
     assert health == 200 and status == 202 and done["status"] == "succeeded"
     assert syncers and all(t is not threading.main_thread() for t in syncers), syncers
+
+
+def test_quota_defaults_are_the_documented_ones():
+    import re
+
+    from tierguard.cli.gate import _GATE_FLAGS
+    from tierguard.common.units import parse_bytes
+    from tierguard.gate.job_quota import JobLimits
+
+    settings = GateSettings(upstream="http://127.0.0.1:9").validate()
+    assert settings.job_limits() == JobLimits()
+    for flag in ("async-max-pending", "async-max-pending-per-key", "async-max-bytes", "async-max-bytes-per-key"):
+        documented = re.search(r"\(default ([^;)]+)", _GATE_FLAGS[flag][1]).group(1)
+        assert getattr(settings, flag.replace("-", "_")) == parse_bytes(documented, flag), flag
