@@ -1,11 +1,14 @@
 """A flood at 3x the upstream's capacity through `tierguard gate`: TTFT of the admitted, RSS.
 
 The speed and memory targets of the overload test (tests/gate/test_overload.py checks
-the behaviour: 200 or 429, waits bounded by the limit, as the gate's own log records).
+the behaviour: 200 or 429 with Retry-After, refusals by the queue's rules only).
 Open-loop arrivals at `--overload` times what the schedule server can serve, twice: a
 warm-up flood (allocator and pools grow), then the measured one. Reports the admitted
 requests' p99 TTFT seen by this client against the budget (max queue wait + upstream
-TTFT + `--slack-ms`) and the gate's RSS growth between the two floods.
+TTFT + `--slack-ms`), the longest queue wait of an admitted request and the longest
+answer to a refused one in the gate's own request log against `--max-wait-ms` (plus
+`--late-share` of it for a busy event loop), and the gate's RSS growth between the two
+floods.
 
     .venv/bin/python bench/gate_overload.py [--seconds 20]
 
@@ -77,6 +80,21 @@ def _check(results: list, v: Validity, name: str) -> list[dict]:
     return done
 
 
+def _log_lines(path: str, skip: int = 0, want: int = 0) -> list[dict]:
+    """The gate's request log after its first `skip` lines; waits (bounded) until it holds
+    `want` of them: a stream's line is written just after its last byte went out."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            with open(path) as f:
+                lines = f.read().splitlines()[skip:]
+        except FileNotFoundError:
+            lines = []
+        if len(lines) >= want or time.monotonic() > deadline:
+            return [json.loads(x) for x in lines]
+        time.sleep(0.05)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seconds", type=float, default=20.0, help="length of the measured flood")
@@ -87,6 +105,8 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--max-wait-ms", type=float, default=500.0)
     p.add_argument("--slack-ms", type=float, default=500.0, help="loopback and scheduling allowance in the budget")
+    p.add_argument("--late-share", type=float, default=0.5,
+                   help="how late the gate's loop may record a deadline, as a share of --max-wait-ms")
     a = p.parse_args()
     service_s = (a.ttft_ms + a.itl_ms * (a.tokens - 1)) / 1000
     rate = a.overload * a.capacity / service_s
@@ -96,24 +116,35 @@ def main() -> int:
             tempfile.TemporaryDirectory() as tmp:
         gate = ReadyProcess([sys.executable, "-m", "tierguard.cli.main", "gate", "--upstream", up.base_url,
                              "--port", "0", "--jobs-dir", tmp, "--max-concurrency", str(a.capacity),
-                             "--max-queue", "8", "--max-queue-wait-ms", str(a.max_wait_ms)], "READY ",
+                             "--max-queue", "8", "--max-queue-wait-ms", str(a.max_wait_ms),
+                             "--log", os.path.join(tmp, "gate.jsonl")], "READY ",
                             stderr_path=os.path.join(tmp, "gate.err"))
         with gate:
             url = f"http://127.0.0.1:{int(gate.start(30).split()[0])}/v1/completions"
             proc = psutil.Process(gate.pid)
-            _check(asyncio.run(_flood(url, rate, a.seconds / 2, a.tokens)), v, "warm-up")
+            warm = _check(asyncio.run(_flood(url, rate, a.seconds / 2, a.tokens)), v, "warm-up")
             rss_before = proc.memory_info().rss
+            logged = _log_lines(os.path.join(tmp, "gate.jsonl"), want=len(warm))
             done = _check(asyncio.run(_flood(url, rate, a.seconds, a.tokens)), v, "measured")
             rss_after = proc.memory_info().rss
+            records = _log_lines(os.path.join(tmp, "gate.jsonl"), skip=len(logged), want=len(done))
     ttfts = sorted(r["ttft"] for r in done if r["status"] == 200 and r["ttft"] is not None)
     p99_ms = 1000 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else None
     growth_mib = (rss_after - rss_before) / 2**20
+    waits = [x["queue_wait_ms"] for x in records if x["status"] == 200 and x.get("queue_wait_ms") is not None]
+    refusals = [x["e2e_ms"] for x in records if x["status"] == 429 and x.get("e2e_ms") is not None]
+    wait_bound_ms = a.max_wait_ms * (1 + a.late_share)
+    v.require(len(records) == len(done), f"the gate logged {len(records)} of {len(done)} requests")
     print(json.dumps({
         "bench": "gate_overload", "seconds": a.seconds, "rate_rps": round(rate, 1), "capacity": a.capacity,
         "requests": len(done), "admitted": sum(r["status"] == 200 for r in done),
         "rejected": sum(r["status"] == 429 for r in done), **v.as_dict(),
         "p99_ttft_admitted_ms": None if p99_ms is None else round(p99_ms, 1), "ttft_budget_ms": budget_ms,
         "goal_p99_ttft_within_budget": v.goal(p99_ms is not None and p99_ms < budget_ms),
+        "max_queue_wait_admitted_ms": round(max(waits), 1) if waits else None,
+        "max_answer_refused_ms": round(max(refusals), 1) if refusals else None, "wait_bound_ms": wait_bound_ms,
+        "goal_waits_within_the_limit": v.goal(bool(waits) and max(waits) <= wait_bound_ms
+                                              and max(refusals, default=0.0) <= wait_bound_ms),
         "rss_growth_mib": round(growth_mib, 2),
         "goal_rss_growth_under_16_mib": v.goal(growth_mib < 16),
         "cpus": os.cpu_count(), "loadavg_1m": round(os.getloadavg()[0], 2),

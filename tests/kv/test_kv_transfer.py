@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import errno
 import threading
-import time
 
 import pytest
 import torch
@@ -107,21 +106,34 @@ def test_unsupported_routes_are_rejected_at_submit(layout):
 
 
 def test_submit_and_poll_never_wait_for_a_slow_transfer(tmp_path, layout):
+    """Event ordering, not timing: the disk write cannot end until the test opens the gate,
+    so submits and polls that returned before that did not wait for it (one that waited
+    would never return: the thread below would still be alive at its hang guard)."""
     gate = threading.Event()
+    entered = threading.Event()
 
     class SlowDisk(DiskTier):
         def write_many(self, items):
-            gate.wait(5)
+            entered.set()
+            gate.wait(60)
             return super().write_many(items)
 
     host = HostTier(4 * layout.block_bytes, layout.block_bytes, pin_memory=False)
     worker = TransferWorker(layout.block_bytes, num_threads=1)
     register_cold_medium(worker, host, SlowDisk(tmp_path, FP, 1 << 20))
-    t0 = time.perf_counter()
-    for job in range(3):
-        worker.transfer_async(job, TransferSpec(HostSlots([job]), DiskBlocks([job])))
-    assert worker.get_finished() == []
-    assert time.perf_counter() - t0 < 0.5 and worker.queue_depth == 3
+    polled: list = []
+
+    def caller() -> None:
+        for job in range(3):
+            worker.transfer_async(job, TransferSpec(HostSlots([job]), DiskBlocks([job])))
+        assert entered.wait(30)  # a job is inside the write, held there
+        polled.append(worker.get_finished())
+
+    t = threading.Thread(target=caller)
+    t.start()
+    t.join(30)  # a hang guard, not a bound
+    assert not t.is_alive() and not gate.is_set()  # it returned while the write could not end
+    assert polled == [[]] and worker.queue_depth == 3
     gate.set()
     assert all(r.success for r in finished(worker, 3).values())
     worker.shutdown()

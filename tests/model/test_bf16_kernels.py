@@ -16,10 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.needs import skip_without_kernels
 from tierguard.model import native
 from tierguard.model.qlinear import BF16_PANEL, Bf16Linear, pack_bf16, unpack_bf16
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: the kernels are not built")
+# Only what runs the C library skips without it (the packing and the torch fallback are
+# Python and always run); tests/needs.py names why, and under CI=true fails the run instead.
+needs_kernels = skip_without_kernels()
 
 ROOT = Path(__file__).resolve().parents[2]
 # (rows M, outputs N, inputs K): none of N, K a multiple of the 32-row panel or of 16 but
@@ -43,18 +46,38 @@ def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
     assert (err <= bound).all(), (err / bound).max().item()
 
 
+@needs_kernels
 @pytest.mark.parametrize("m,n,k", SHAPES)
 def test_gemm_bf16_matches_a_float64_reference(m, n, k):
     x, w = _inputs(m, n, k)
     _check(native.gemm_bf16(x, pack_bf16(w), n), x, w)
 
 
-def test_gemm_bf16_rounds_the_activations():
+# Near 1, bfloat16's step is 2^-7. Each value tells round-to-nearest-even apart from
+# truncation or from rounding ties up: (x, nearest-even, truncated)
+ROUNDING = [
+    (1 + 3 * 2.0**-9, 1 + 2.0**-7, 1.0),  # 3/4 of a step up: nearest is up, truncation keeps 1
+    (1 + 2.0**-8, 1.0, 1.0),  # a tie below an even value: stays (ties up would give 1 + 2^-7)
+    (1 + 3 * 2.0**-8, 1 + 2.0**-6, 1 + 2.0**-7),  # a tie above an odd value: to the even one, up
+    (-(1 + 3 * 2.0**-9), -(1 + 2.0**-7), -1.0),  # the same on the negative side
+    (1 + 2.0**-10, 1.0, 1.0),  # under half a step: down either way
+]
+
+
+@needs_kernels
+def test_gemm_bf16_rounds_the_activations_to_nearest_even():
     """The rounding of x is part of the contract (the fused step and the per-row call agree
-    on it): x with bits below bfloat16's must give the rounded product, not float32's."""
-    x = torch.full((1, 64), 1.0 + 2.0**-10)  # rounds to 1.0 in bfloat16
-    w = torch.ones(3, 64)
-    assert native.gemm_bf16(x, pack_bf16(w), 3).tolist() == [[64.0, 64.0, 64.0]]
+    on it): x with bits below bfloat16's gives the product of x rounded to nearest, ties to
+    even, as torch rounds, not of x truncated nor of x in float32. An identity W reads
+    each rounded x back on its own."""
+    x = torch.tensor([[v for v, _, _ in ROUNDING]])
+    got = native.gemm_bf16(x, pack_bf16(torch.eye(len(ROUNDING))), len(ROUNDING)).tolist()[0]
+    assert got == [nearest for _, nearest, _ in ROUNDING]
+    assert got == x.bfloat16().float().tolist()[0]  # torch's own rounding
+    assert got != [truncated for _, _, truncated in ROUNDING]
+    # and summed: 64 copies of 1 + 3 * 2^-9 are 64 x (1 + 2^-7), not 64 (truncated) nor 64.375
+    assert native.gemm_bf16(torch.full((1, 64), ROUNDING[0][0]), pack_bf16(torch.ones(3, 64)), 3).tolist() == [
+        [64.5, 64.5, 64.5]]
 
 
 @pytest.mark.parametrize("n,k", [(45, 77), (1, 1), (64, 128), (33, 3)])
@@ -69,9 +92,23 @@ def test_pack_layout_round_trips_with_zero_padding(n, k):
 
 
 @pytest.mark.parametrize("bias", [False, True])
+def test_bf16_linear_torch_fallback_is_float32_over_the_unpacked_rows(bias, monkeypatch):
+    """Without the library (CUDA, no compiler) the module is torch's float32 matmul over
+    the unpacked bfloat16 rows: x is not rounded. Needs no kernel."""
+    x, w = _inputs(37, 100, 129)
+    b = torch.randn(100) if bias else None
+    lin = Bf16Linear.from_float(w, b)
+    monkeypatch.setattr(native, "available", lambda: False)
+    fb = lin(x)
+    ref = x.double() @ w.bfloat16().double().T + (b.double() if bias else 0)
+    assert (fb.double() - ref).abs().max() < 1e-4
+
+
+@needs_kernels
+@pytest.mark.parametrize("bias", [False, True])
 def test_bf16_linear_kernel_and_torch_fallback_agree(bias, monkeypatch):
-    """The module: the kernel on the CPU; without the library (CUDA, no compiler) torch's
-    float32 matmul over the unpacked rows, which differs only by not rounding x."""
+    """The module: the kernel on the CPU; the fallback differs from it only by not
+    rounding x."""
     x, w = _inputs(37, 100, 129)
     b = torch.randn(100) if bias else None
     lin = Bf16Linear.from_float(w, b)
@@ -79,8 +116,6 @@ def test_bf16_linear_kernel_and_torch_fallback_agree(bias, monkeypatch):
     _check(got - (b if bias else 0), x, w)
     monkeypatch.setattr(native, "available", lambda: False)
     fb = lin(x)
-    ref = x.double() @ w.bfloat16().double().T + (b.double() if bias else 0)
-    assert (fb.double() - ref).abs().max() < 1e-4
     # the two differ by the rounding of x only: at most 2^-8 of each |x||w| sum
     assert ((fb - got).abs() <= 2.0**-8 * (x.abs() @ w.bfloat16().float().abs().T) + 1e-5).all()
 
@@ -92,6 +127,7 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+@needs_kernels
 @pytest.mark.skipif(platform.machine() != "x86_64" or not Path("/proc/cpuinfo").is_file(), reason="x86-64 Linux")
 def test_isa_report_matches_this_cpu_and_peaks_exist_where_it_says():
     flags, got = _cpu_flags(), set(native.isa())
@@ -122,6 +158,7 @@ def _fallback_env(arch: str) -> dict[str, str]:
     return {**os.environ, native.ARCH_ENV: arch, "PYTHONPATH": str(ROOT)}
 
 
+@needs_kernels
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the fallbacks are x86-64 -march targets")
 @pytest.mark.parametrize("arch", ["x86-64-v3", "x86-64"])
 def test_fallback_builds_compute_the_same(arch):
@@ -144,6 +181,7 @@ def test_fallback_builds_compute_the_same(arch):
         assert (got - here).abs().max() <= 2e-5 * (x.bfloat16().float().abs() @ w.bfloat16().float().abs().T).max()
 
 
+@needs_kernels
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the fallbacks are x86-64 -march targets")
 def test_fused_steps_on_the_avx2_build_match_the_per_op_path():
     """The whole fused step (bfloat16 panels, chunk attention with its narrower tiles) on a

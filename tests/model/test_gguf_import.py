@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from tests.needs import need_module
 from tierguard.common.errors import TierguardError
 from tierguard.model.gguf_export import export_gguf, permute_for_gguf
 from tierguard.model.gguf_import import cached_import, import_gguf
@@ -18,8 +19,6 @@ from tierguard.model.gguf_reader import unpermute_qk
 from tierguard.model.st_writer import to_dtype
 from tierguard.model.tiny import create_tiny
 from tierguard.model.tokenizer import HFTokenizer
-
-gguf = pytest.importorskip("gguf")
 
 SMALL = dict(layers=2, hidden=64, heads=4, kv_heads=2, vocab=400, max_position_embeddings=512)
 LICENSE = Path("/usr/share/common-licenses/GPL-3")
@@ -37,6 +36,13 @@ def _real_text() -> str:
 
 
 @pytest.fixture(scope="module")
+def gguf():
+    """The `gguf` package, for the tests that write or read GGUF files (the q/k permutation,
+    the bfloat16 conversion and the tokenizer's refusals need none)."""
+    return need_module("gguf", "pip install -e '.[gguf]'")
+
+
+@pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     return create_tiny(tmp_path_factory.mktemp("tiny"), **SMALL, seed=5)
 
@@ -49,7 +55,7 @@ def test_unpermute_inverts_permute():
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_export_import_round_trip_is_bit_identical(tmp_path, tied):
+def test_export_import_round_trip_is_bit_identical(tmp_path, tied, gguf):
     src = create_tiny(tmp_path / "src", **SMALL, seed=7, tie_word_embeddings=tied)
     path = export_gguf(src, tmp_path / "m.gguf").path
     out = import_gguf(path, tmp_path / "back")
@@ -76,6 +82,8 @@ def test_export_import_round_trip_is_bit_identical(tmp_path, tied):
 
 def _write_gguf(path: Path, tensors: dict, *, arch: str = "llama", tokenizer: bool = True, inter: int = 128) -> Path:
     """A small llama GGUF with the given (already quantized) tensors."""
+    import gguf
+
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(256)
     w.add_embedding_length(64)
@@ -103,6 +111,8 @@ def _write_gguf(path: Path, tensors: dict, *, arch: str = "llama", tokenizer: bo
 
 def _layer(rng, qtype, inter: int = 128) -> tuple[dict, dict[str, np.ndarray]]:
     """A one-layer model's tensors quantized to `qtype` (norms stay F32), and the originals."""
+    import gguf
+
     shapes = {
         "token_embd.weight": (300, 64), "output_norm.weight": (64,), "blk.0.attn_norm.weight": (64,),
         "blk.0.ffn_norm.weight": (64,), "blk.0.attn_q.weight": (64, 64), "blk.0.attn_k.weight": (32, 64),
@@ -123,7 +133,7 @@ def _layer(rng, qtype, inter: int = 128) -> tuple[dict, dict[str, np.ndarray]]:
 
 
 @pytest.mark.parametrize("qname", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0"])
-def test_quantized_types_import_as_gguf_dequantizes_them(tmp_path, qname):
+def test_quantized_types_import_as_gguf_dequantizes_them(tmp_path, qname, gguf):
     qtype = gguf.GGMLQuantizationType[qname]
     tensors, orig = _layer(np.random.default_rng(1), qtype)
     path = _write_gguf(tmp_path / "q.gguf", tensors)
@@ -138,7 +148,7 @@ def test_quantized_types_import_as_gguf_dequantizes_them(tmp_path, qname):
 
 
 @pytest.mark.parametrize("qname", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL"])
-def test_k_quants_import_bit_exact_to_gguf_dequantize(tmp_path, qname):
+def test_k_quants_import_bit_exact_to_gguf_dequantize(tmp_path, qname, gguf):
     """Python has no K-quant quantizer: random blocks (fp16 scales kept finite) stand in."""
     qtype = gguf.GGMLQuantizationType[qname]
     block, size = gguf.GGML_QUANT_SIZES[qtype]
@@ -153,13 +163,18 @@ def test_k_quants_import_bit_exact_to_gguf_dequantize(tmp_path, qname):
     np.testing.assert_array_equal(got, gguf.quants.dequantize(raw, qtype).reshape(64, 256))
 
 
-def test_bfloat16_and_float16_outputs_match_torch_casts(tmp_path, tiny):
-    path = export_gguf(tiny, tmp_path / "m.gguf").path
+def test_bfloat16_conversion_rounds_as_torch_does():
+    """Ties to even both ways (1 + 2^-8 stays 1, 1 + 3 x 2^-8 goes up), not truncated; no gguf."""
     x = np.array([1.0, -2.5, 3.14159, 1e-8, 65504.0, 1 + 2**-8, 1 + 3 * 2**-8, float("nan")], np.float32)
     want = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     got = to_dtype(x, "bfloat16")
     np.testing.assert_array_equal(got[:-1], want[:-1])
+    assert got[6] != (x[6:7].view(np.uint32)[0] >> 16)  # truncation would differ here
     assert (got[-1] & 0x7F80) == 0x7F80 and (got[-1] & 0x7F)  # NaN stays NaN
+
+
+def test_bfloat16_and_float16_outputs_match_torch_casts(tmp_path, tiny, gguf):
+    path = export_gguf(tiny, tmp_path / "m.gguf").path
     ref = _tensors(tiny)
     for dtype, tdtype in (("bfloat16", torch.bfloat16), ("float16", torch.float16)):
         got_t = _tensors(import_gguf(path, tmp_path / dtype, dtype=dtype).path)
@@ -193,7 +208,7 @@ def _assert_one_line_exit_2(res: subprocess.CompletedProcess, *words: str) -> No
         assert w in lines[0], lines[0]
 
 
-def test_bad_inputs_are_one_line_and_leave_nothing(tmp_path, tiny):
+def test_bad_inputs_are_one_line_and_leave_nothing(tmp_path, tiny, gguf):
     good = export_gguf(tiny, tmp_path / "good.gguf").path
     data = good.read_bytes()
     cases = {}
@@ -227,7 +242,7 @@ def test_bad_inputs_are_one_line_and_leave_nothing(tmp_path, tiny):
     assert [p.name for p in busy.iterdir()] == ["keep"]
 
 
-def test_import_cli_and_cached_import_reuse(tmp_path, tiny, monkeypatch):
+def test_import_cli_and_cached_import_reuse(tmp_path, tiny, monkeypatch, gguf):
     path = export_gguf(tiny, tmp_path / "tiny.gguf").path
     res = _cli("model", "import-gguf", str(path), str(tmp_path / "out"), "--dtype", "float32")
     assert res.returncode == 0, res.stderr
@@ -249,7 +264,7 @@ def test_unsupported_pre_tokenizer_is_refused():
 
 
 @pytest.mark.parametrize("weight_dtype,linear_type", [("int8", "Q8_0"), ("int4", "Q4_1"), ("int8", "Q4_1")])
-def test_quantized_layers_take_the_files_blocks(tmp_path, monkeypatch, weight_dtype, linear_type):
+def test_quantized_layers_take_the_files_blocks(tmp_path, monkeypatch, weight_dtype, linear_type, gguf):
     """With the GGUF file at hand, int8 layers (and the int8 embedding, int4 or not) take its
     Q8_0 blocks and int4 ones its Q4_1 blocks as they are: every dequantized weight equals
     the float import bit for bit, q/k rows in HF order. Q4_1 into int8 is quantized at load."""

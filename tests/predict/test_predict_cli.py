@@ -15,9 +15,9 @@ from tierguard.cli.main import main
 from tierguard.engine.config import EngineConfig
 from tierguard.kv.spec import KVLayout
 from tierguard.model.config import ModelConfig
+from tierguard.predict import calibrate
 from tierguard.predict.calibrate import Cache, Calibration, ProbePlan, digest, machine_id
 from tierguard.predict.driver import ClientTiming
-from tierguard.predict.engines import classify, compute_probe_argv
 from tierguard.predict.media import ROUTES, MediaCost, RouteCost
 from tierguard.predict.predictor import media_key
 from tierguard.sweep.matrix import load_matrix
@@ -27,16 +27,33 @@ from .conftest import pinned_cost
 SERVE = "{python} -m tierguard serve --model tiny --port {port} --max-model-len 256 --max-num-seqs 8 " \
         "--max-num-batched-tokens 128 --target-itl-ms 20"
 POOLS = {"reference": 600, "small-pool": 40, "naive-sync-disk": 40}
+TIERS = "--kv-host-gib 0.01 --kv-disk-dir {workdir}/kv-disk --kv-disk-gib 0.1 --kv-naive-sync-disk"
+COMMANDS = {
+    "reference": SERVE + " --kv-cache-gib 0.1",
+    "small-pool": SERVE + " --kv-cache-gib 0.001",
+    "naive-sync-disk": SERVE + " --kv-cache-gib 0.001 " + TIERS,
+}
+# What each variant's compute probe runs, written out here rather than derived by the
+# code under test: the serve command without its KV budget and its port, its tiers kept,
+# on a port of its own with a step log. The reference and small-pool differ only in the
+# budget, so they share one probe and one calibration.
+_BASE = "{python} -m tierguard serve --model tiny --max-model-len 256 --max-num-seqs 8 " \
+        "--max-num-batched-tokens 128 --target-itl-ms 20"
+_TAIL = " --port {port} --step-log {workdir}/steps.jsonl"
+PROBES = {
+    "reference": _BASE + _TAIL,
+    "small-pool": _BASE + _TAIL,
+    "naive-sync-disk": _BASE + " " + TIERS + _TAIL,
+}
 
 
 def write_matrix(path: Path) -> Path:
     doc = {
         "name": "predict-test",
         "variants": [
-            {"name": "reference", "command": SERVE + " --kv-cache-gib 0.1"},
-            {"name": "small-pool", "command": SERVE + " --kv-cache-gib 0.001"},
-            {"name": "naive-sync-disk", "command": SERVE + " --kv-cache-gib 0.001 --kv-host-gib 0.01 "
-             "--kv-disk-dir {workdir}/kv-disk --kv-disk-gib 0.1 --kv-naive-sync-disk", "tags": ["naive-sync-disk"]},
+            {"name": "reference", "command": COMMANDS["reference"]},
+            {"name": "small-pool", "command": COMMANDS["small-pool"]},
+            {"name": "naive-sync-disk", "command": COMMANDS["naive-sync-disk"], "tags": ["naive-sync-disk"]},
         ],
         "profile": {"model": "tiny", "context_lengths": [96], "output_len": 8, "num_requests": 4, "min_rounds": 1},
         "slices": {"ladder": [1, 2, 4, 8], "bisect": True},
@@ -49,14 +66,14 @@ def write_matrix(path: Path) -> Path:
 
 def seed_cache(matrix_path: Path, cache_dir: Path, run_dir: Path) -> None:
     """What calibration would have stored: each variant's step-log header, a compute
-    calibration per probe command (shared by variants that differ only in KV budget),
-    media timings."""
+    calibration per probe command (PROBES: one for the two variants that differ only in
+    KV budget), media timings. Keys are built from the commands as written above, so a
+    probe command the code derives differently misses the cache (and `predicted` fails)."""
     matrix = load_matrix(matrix_path)
     cache = Cache(cache_dir)
     mc = ModelConfig("LlamaForCausalLM", 512, 64, 128, 2, 4, 2, 16, 512, eos_token_ids=[3])
     layout = KVLayout(2, 2, 16, 16, "float32")
     for v in matrix.variants:
-        cmd = classify(v)
         cfg = EngineConfig(num_blocks=POOLS[v.name], block_size=16, max_num_seqs=8, max_num_batched_tokens=128,
                            max_model_len=256, target_itl_ms=20.0)
         if v.name == "naive-sync-disk":
@@ -64,9 +81,10 @@ def seed_cache(matrix_path: Path, cache_dir: Path, run_dir: Path) -> None:
                                       naive_sync_disk=True)
         header = {"kind": "header", "engine_config": dataclasses.asdict(cfg), "model_config": vars(mc),
                   "kv_layout": dataclasses.asdict(layout), "fused_max_rows": 0, "model_name": "tiny"}
-        cache.put("header", digest({"argv": cmd.argv, "env": cmd.env, "machine": machine_id()}), {"header": header})
+        cache.put("header", digest({"argv": COMMANDS[v.name].split(), "env": {}, "machine": machine_id()}),
+                  {"header": header})
         plan = ProbePlan.for_matrix(matrix, 256)
-        key = digest({"argv": compute_probe_argv(cmd), "env": cmd.env, "plan": plan.to_json(), "machine": machine_id()})
+        key = digest({"argv": PROBES[v.name].split(), "env": {}, "plan": plan.to_json(), "machine": machine_id()})
         cal = Calibration("tierguard", key, pinned_cost(gap_ms=(0.2, 0.02)), ClientTiming(0.002, 0.001), plan, 0.1)
         cache.put("tierguard", key, cal.to_json())
     # media: the naive baseline's page-out costs 4 ms a block (1 ms for a block already on
@@ -80,7 +98,11 @@ def seed_cache(matrix_path: Path, cache_dir: Path, run_dir: Path) -> None:
 
 
 @pytest.fixture
-def predicted(tmp_path, capsys):
+def predicted(tmp_path, capsys, monkeypatch):
+    def no_server(variant, argv, *a, **kw):  # a cache miss would start one: fail at once instead
+        pytest.fail(f"{variant.name}: not found in the calibration cache, would start {' '.join(argv)}")
+
+    monkeypatch.setattr(calibrate, "_start", no_server)
     m = write_matrix(tmp_path / "m.yaml")
     run_dir, cache = tmp_path / "pred", tmp_path / "cache"
     seed_cache(m, cache, run_dir)

@@ -1,6 +1,12 @@
 """A stand-in for `tierguard bench` for fast runner tests: writes a result directory
 in the bench's documented shape, from a closed-form model of a server with a fixed
-capacity (requests beyond it wait for a whole request's time)."""
+capacity (requests beyond it wait for a whole request's time).
+
+Requests differ the way real ones do, so statistics that mix them are exercised: each
+request has its own TTFT jitter and its own token cadence (`itl_spread`, a share of
+`itl_ms`), every `stall_every`-th request one long gap of `stall_ms` mid-stream, and a
+failed request (every `fail_every`-th) fails after `fail_after_tokens` tokens, as a
+stream cut by the server does (0: before its first token)."""
 
 from __future__ import annotations
 
@@ -39,6 +45,10 @@ class ServerModel:
     itl_ms: float = 20.0
     prefill_ms_per_token: float = 0.0
     fail_every: int = 0  # every n-th request fails
+    fail_after_tokens: int | None = None  # tokens a failed request streams first; None: half of them
+    itl_spread: float = 0.2  # each request's own cadence: itl_ms x (1 +- spread)
+    stall_every: int = 0  # every n-th request has one long gap before its middle token
+    stall_ms: float = 0.0
     calls: list[list[str]] = field(default_factory=list)
     profile_override: dict = field(default_factory=dict)
 
@@ -69,7 +79,14 @@ def make_bench(model: ServerModel):
             ttft = model.ttft_ms + ctx * model.prefill_ms_per_token + wave * service + rng.uniform(0, 2)
             start = i * 0.001
             failed = model.fail_every and (i + 1) % model.fail_every == 0
-            chunks = [start + (ttft + k * model.itl_ms) / 1000.0 for k in range(out_tokens)]
+            cadence = model.itl_ms * (1 + rng.uniform(-model.itl_spread, model.itl_spread))
+            gaps = [cadence * (1 + rng.uniform(-0.05, 0.05)) for _ in range(out_tokens - 1)]
+            if model.stall_every and (i + 1) % model.stall_every == 0 and gaps:
+                gaps[len(gaps) // 2] += model.stall_ms
+            chunks = [start + (ttft + sum(gaps[:k])) / 1000.0 for k in range(out_tokens)]
+            if failed:
+                kept = out_tokens // 2 if model.fail_after_tokens is None else model.fail_after_tokens
+                chunks = chunks[: min(kept, out_tokens)]
             records.append(
                 RequestRecord(
                     index=i,
@@ -77,13 +94,13 @@ def make_bench(model: ServerModel):
                     dispatched_s=start,
                     slot_s=start,
                     sent_s=start,
-                    first_token_s=None if failed else chunks[0],
-                    end_s=chunks[-1],
-                    chunk_times_s=[] if failed else chunks,
-                    chunk_tokens=[] if failed else [1] * out_tokens,
-                    output_tokens=0 if failed else out_tokens,
+                    first_token_s=chunks[0] if chunks else None,
+                    end_s=(chunks[-1] if chunks else start + ttft / 1000.0) + (0.001 if failed else 0.0),
+                    chunk_times_s=chunks,
+                    chunk_tokens=[1] * len(chunks),
+                    output_tokens=len(chunks),
                     status=FAILED if failed else OK,
-                    error="boom" if failed else None,
+                    error="stream cut" if failed else None,
                 )
             )
         profile = {f.lstrip("-"): flag(argv, f) for f in PROFILE_FLAGS}

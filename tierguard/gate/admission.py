@@ -127,8 +127,10 @@ class AdmissionController:
     then long, then batch. Not thread-safe: use from one event loop.
     """
 
-    def __init__(self, policy: AdmissionPolicy, on_decision: Callable[[str, str], None] | None = None) -> None:
+    def __init__(self, policy: AdmissionPolicy, on_decision: Callable[[str, str], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.policy = policy.validate()
+        self._clock = clock  # queue waits and slot hold times (Retry-After's estimate) read it
         self._queues: dict[str, OrderedDict[int, _Waiter]] = {c: OrderedDict() for c in CLASSES}
         self._sync_queued = dict.fromkeys(CLASSES, 0)  # waiters counted against max_queue
         self._in_flight = dict.fromkeys(CLASSES, 0)
@@ -157,7 +159,7 @@ class AdmissionController:
         `max_wait_s` shortens the queue deadline (a caller that already spent part of it)."""
         self.check_input(info)
         klass = self.classify(info)
-        now = time.monotonic()
+        now = self._clock()
         if self._can_run(klass) and not self._queues[klass]:
             return self._grant(klass, 0.0, now, "admit", "free_slot")
         if not info.background and self._sync_queued[klass] >= self.policy.max_queue:
@@ -179,7 +181,7 @@ class AdmissionController:
 
     def adopt(self, klass: str, queue_wait_s: float, reason: str, lease: str | None = None) -> Ticket:
         """Count a slot granted elsewhere (a shared lease): in flight here, no local limit checked."""
-        ticket = self._grant(klass, queue_wait_s, time.monotonic(), "admit", reason)
+        ticket = self._grant(klass, queue_wait_s, self._clock(), "admit", reason)
         ticket.lease = lease
         return ticket
 
@@ -189,7 +191,7 @@ class AdmissionController:
             return
         ticket._released = True
         self._in_flight[ticket.klass] -= 1
-        held = time.monotonic() - ticket.admitted_at
+        held = self._clock() - ticket.admitted_at
         self._service_ewma_s += 0.1 * (held - self._service_ewma_s)
         self._dispatch()
 
@@ -279,7 +281,7 @@ class AdmissionController:
                     _, waiter = queue.popitem(last=False)
                     if waiter.future.done():
                         continue  # timed out or cancelled; already counted
-                    now = time.monotonic()
+                    now = self._clock()
                     waiter.future.set_result(self._grant(klass, now - waiter.enqueued_at, now, "admit", "queued"))
                     progressed = True
 

@@ -13,6 +13,8 @@ step is waiting for:
   - the store lane uses at most `share` of one core over time (a token bucket of CPU
     seconds: copies, checksums, encryption; waiting for a disk or a socket is free), so on
     a CPU, where those run on the cores that compute, stores borrow a bounded slice;
+    idle time banks at most `burst_s` of store work (20 ms by default), so a lane that
+    sat idle for an hour does not then run unthrottled;
   - at most `max_pending` stores wait or run at once; past that a new store is dropped
     and counted (the blocks stay where they are: on the device until evicted, or in host
     RAM without a disk copy). A dropped store costs only the chance of a later hit.

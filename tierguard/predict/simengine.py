@@ -10,7 +10,9 @@ the prediction with no change here. What is replaced, and by what:
     model runner          SimRunner: advances the clock by the step cost
                           (costmodel.py) of the schedule's shape; logits of width 1
     transfer worker       SimTransferWorker: jobs finish after the route's measured time
-                          (media.py) on `num_threads` simulated threads, in order
+                          (media.py), promotions on `num_threads` simulated threads,
+                          stores on the real worker's store and offload lanes under
+                          its StorePolicy, in order
     cold media            SimMedium: an index of block hashes with the medium's budget
                           (LRU), no bytes
     host slab             the real HostTier, one byte per slot (its bookkeeping is real)
@@ -48,7 +50,7 @@ from tierguard.kv.media.host import HostTier
 from tierguard.kv.spec import KVLayout
 from tierguard.kv.store_policy import StorePolicy
 from tierguard.kv.tiered_connector import TieredConnector
-from tierguard.kv.transfer import RouteStats, TransferResult, TransferSpec
+from tierguard.kv.transfer import STORE_RETRY_S, RouteStats, TransferResult, TransferSpec
 from tierguard.model.config import ModelConfig
 from tierguard.model.gemma3 import kv_groups
 from tierguard.predict.costmodel import StepCost, StepNoise
@@ -190,11 +192,17 @@ class _Job:
 
 
 class SimTransferWorker:
-    """The transfer worker's contract (tierguard/kv/transfer.py) on simulated time: a job
-    starts when one of `threads` is free, takes its route's measured time, and is
-    reported by `get_finished` once the clock has passed its end, in order. A job's
-    effect on a cold medium's index (a write, a read) happens then. Stores pass the same
-    `StorePolicy` as the real worker's (on simulated time) and share its threads."""
+    """The transfer worker's contract (tierguard/kv/transfer.py) on simulated time, its
+    three lanes included: a promotion starts when one of `threads` is free; a store
+    (`store=True`) runs one at a time on the store lane, each only once `store_policy`
+    allows it (polled every STORE_RETRY_S of simulated time, as the real lane polls); a
+    store that holds device blocks (`holds_device=True`) runs one at a time on the offload
+    lane, never waiting for the share. Both kinds of store are charged to the share: the
+    route's measured time, all of it (the measurement does not tell a copy's CPU time from
+    its wait for a device, so a store is charged as if it all were copying). A job takes
+    its route's measured time and is reported by `get_finished` once the clock has passed
+    its end, in order; its effect on a cold medium's index (a write, a read) happens then.
+    A store never delays a promotion."""
 
     def __init__(self, clock: SimClock, media_cost: MediaCost, media: list[SimMedium],
                  rng: np.random.Generator | None, scale: float, threads: int = TRANSFER_THREADS,
@@ -203,15 +211,29 @@ class SimTransferWorker:
         self.store_policy = store_policy or StorePolicy(clock=clock.monotonic)
         self.media = {m.spec: m for m in media}
         self._free_at = [0.0] * threads
+        self._store_free_at = 0.0
+        self._offload_free_at = 0.0
         self._jobs: list[_Job] = []
         self._seq = 0
         self.stats: dict[str, RouteStats] = {}
 
     def transfer_async(self, job_id: int, spec: TransferSpec, store: bool = False, holds_device: bool = False) -> None:
         seconds = self.cost.route(spec.route_name).seconds(len(spec.src)) * self.scale
-        i = min(range(len(self._free_at)), key=self._free_at.__getitem__)
-        start = max(self.clock.now, self._free_at[i])
-        self._free_at[i] = start + seconds
+        now = self.clock.now
+        if store and holds_device:
+            start = max(now, self._offload_free_at)
+            self._offload_free_at = start + seconds
+            self.store_policy.charge(seconds)
+        elif store:
+            start = max(now, self._store_free_at)
+            while not self.store_policy.allow_run(start):  # start times on this lane never go back
+                start += STORE_RETRY_S
+            self._store_free_at = start + seconds
+            self.store_policy.charge(seconds)
+        else:
+            i = min(range(len(self._free_at)), key=self._free_at.__getitem__)
+            start = max(now, self._free_at[i])
+            self._free_at[i] = start + seconds
         self._seq += 1
         heapq.heappush(self._jobs, _Job(start + seconds, self._seq, job_id, spec, start))
 
