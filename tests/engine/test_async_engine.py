@@ -264,17 +264,17 @@ def test_a_request_whose_detokenizing_raises_fails_alone(tiny_dir):
     """The tokenizer raises on one request's ids while its token is detokenized (after
     sampling, in postprocessing): that request alone fails."""
     engine = AsyncLLMEngine(make_engine(tiny_dir))
-    marker = 400  # only the poisoned prompt has it, and the detokenizer decodes a prompt's tail
+    poisoned = [5, 6, 7, 400]  # the detokenizer decodes a prompt's tail with the first token
     real = engine.engine.tokenizer.decode
 
     def decode(ids, *args, **kwargs):
-        if marker in ids:
+        if list(ids[:4]) == poisoned:
             raise RuntimeError("injected: cannot decode")
         return real(ids, *args, **kwargs)
 
     engine.engine.tokenizer.decode = decode
     good, bad, after = _run_pair(engine, SamplingParams(max_tokens=8, ignore_eos=True),
-                                 SamplingParams(max_tokens=8, ignore_eos=True), [5, 6, 7, marker])
+                                 SamplingParams(max_tokens=8, ignore_eos=True), poisoned)
     _assert_isolated(engine, good, bad, after, 8)
     assert "postprocessing" in str(bad)
 
