@@ -38,6 +38,7 @@ from hypothesis import strategies as st
 SERVE_KEY = "sk-serve-fuzz"
 GATE_KEY = "sk-gate-fuzz"
 MAX_MODEL_LEN = 64  # every generation the fuzz can start ends within a few dozen tokens
+NO_ANSWER = "no answer within"
 VOCAB = 4096  # the tiny model's (checked at start): the edges the engine cases draw around
 SERVE_ROUTES = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
 GATE_ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/async/completions", "/v1/async/chat/completions"]
@@ -162,6 +163,9 @@ class Fuzz:
                 return Answer(None, error=type(exc).__name__)
             except http.client.BadStatusLine as exc:
                 return Answer(None, error=f"bad status line {exc!r}")
+            except TimeoutError:  # a request left hanging: always a finding
+                self.statuses["no answer"] += 1
+                return Answer(None, error=f"{NO_ANSWER} {timeout:g} s")
         self.statuses[resp.status] += 1
         return Answer(resp.status, resp.getheader("Content-Type", ""), body)
 
@@ -219,7 +223,7 @@ def run_case(fuzz: Fuzz, case: tuple[str, bytes, bool, bool, str]) -> str | None
     problem = check(ans, framing_ok)
     if ans.status is not None and ans.status >= 500 and kind != "valid":
         fuzz.bad_input_5xx += 1
-    if fuzz.killer is None and not fuzz.engine_serves():
+    if not fuzz.engine_serves() and fuzz.killer is None:  # checked after every case, dead or not
         fuzz.killer = raw
         problem = f"{problem + '; ' if problem else ''}the engine served no plain request after this case"
     return problem
@@ -231,7 +235,7 @@ def check(ans: Answer, framing_ok: bool) -> str | None:
     `framing_ok`: the request was not valid HTTP (byte noise), so aiohttp's own plain-text
     400 or a closed connection are acceptable answers too."""
     if ans.status is None:
-        return None if framing_ok else f"no response ({ans.error})"
+        return None if framing_ok and not ans.error.startswith(NO_ANSWER) else f"no response ({ans.error})"
     if ans.status >= 500:
         return f"{ans.status}: {ans.body[:300]!r}"
     if ans.error:
