@@ -73,6 +73,8 @@ VLLM_LOGIC = "tests/integrations/test_vllm_connector_logic.py"
 VLLM_QUEUE = "tests/integrations/test_vllm_connector_queue.py"
 AT_REST_BINDING = "tests/kv/test_kv_at_rest_binding.py"
 RECOMMEND_RANGES = "tests/report/test_recommend_ranges.py::test_every_sentence_claims_an_order_only_where_the_ranges_are_apart"
+ENGINE_FAILURES = "tests/engine/test_async_engine.py"  # faults injected into one request, or the step
+SERVE_FAILURES = "tests/serve/test_engine_failures.py"
 
 MUTANTS = [
     Mutant(
@@ -592,6 +594,111 @@ MUTANTS = [
         "u += 0x7fffu + ((u >> 16) & 1u);",
         "u += 0x8000u;",
         ("tests/model/test_bf16_kernels.py::test_gemm_bf16_rounds_the_activations_to_nearest_even",),
+        slow=True,
+    ),
+    Mutant(
+        "engine: a sampling failure on one request's row stops the engine",
+        ENGINE,
+        "if len(seqs) > 1 and not token_of:",
+        "if True:",
+        (f"{ENGINE_FAILURES}::test_a_request_whose_sampling_raises_fails_alone",),
+    ),
+    Mutant(
+        "engine: a failure in one request's postprocessing stops the engine",
+        ENGINE,
+        'out = self._fail(seq, "postprocessing", exc)',
+        "raise",
+        (f"{ENGINE_FAILURES}::test_a_request_whose_detokenizing_raises_fails_alone",),
+        slow=True,
+    ),
+    Mutant(
+        "async engine: an exception while adding one request stops the engine",
+        ENGINE,
+        "except Exception as exc:  # adding this one request failed; it left nothing behind",
+        "except ZeroDivisionError as exc:",
+        (f"{ENGINE_FAILURES}::test_adding_a_request_that_raises_fails_alone",),
+    ),
+    Mutant(
+        "async engine: a stopping engine leaves the requests in its command queue unanswered",
+        ENGINE,
+        "consumers = list(self._queues)",
+        "consumers = list(self.engine.seqs)",
+        (f"{ENGINE_FAILURES}::test_a_step_failure_stops_the_engine_and_answers_every_request",),
+        slow=True,  # killed by its hang guard (60 s)
+    ),
+    Mutant(
+        "serve: /health ignores a stopped engine",
+        "tierguard/serve/app.py",
+        "why = engine.failure()",
+        "why = None",
+        (f"{SERVE_FAILURES}::test_a_stopped_engine_is_503_before_any_work",),
+    ),
+    Mutant(
+        "serve: seed not range-checked at the API",
+        "tierguard/serve/protocol.py",
+        "seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)",
+        "seed: int | None = None",
+        (f"{SERVE_FAILURES}::test_out_of_range_sampling_is_a_400_naming_the_field_and_the_engine_serves_on",),
+    ),
+    Mutant(
+        "serve: top_k not checked against the vocabulary",
+        "tierguard/serve/protocol.py",
+        "if self.top_k is not None and self.top_k > vocab_size:",
+        "if False:",
+        (f"{SERVE_FAILURES}::test_out_of_range_sampling_is_a_400_naming_the_field_and_the_engine_serves_on",),
+    ),
+    Mutant(
+        "serve: any number of stop strings",
+        "tierguard/serve/protocol.py",
+        "if len(stops) > MAX_STOP_STRINGS:",
+        "if False:",
+        (f"{SERVE_FAILURES}::test_out_of_range_sampling_is_a_400_naming_the_field_and_the_engine_serves_on",),
+        slow=True,
+    ),
+    Mutant(
+        "sampler: a top_k beyond the vocabulary reaches torch unclamped",
+        ENGINE,
+        "top_k = [min(params[i].top_k or v, v) for i in random_rows]",
+        "top_k = [params[i].top_k or v for i in random_rows]",
+        ("tests/engine/test_sampler.py::test_extreme_values_the_api_allows_sample_sanely",),
+        slow=True,
+    ),
+    Mutant(
+        "serve: a body's request_class overrides the class header",
+        "tierguard/serve/protocol.py",
+        "if any(headers.get(name) for name in (CLASS_HEADER, CLASS_HEADER_ALIAS)):",
+        "if False:",
+        (f"{SERVE_FAILURES}::test_the_class_header_wins_over_the_body",),
+    ),
+    Mutant(
+        "gate: the class it admitted a request as is not sent upstream",
+        "tierguard/gate/proxy.py",
+        "upstream = await replica.upstream.post(route, payload, {PRIORITY_HEADER: priority})",
+        "upstream = await replica.upstream.post(route, payload)",
+        (f"{SERVE_FAILURES}::test_through_a_real_gate_the_gates_class_reaches_the_engine",),
+        slow=True,
+    ),
+    Mutant(
+        "gate: an answer marked engine-dead does not eject its replica",
+        "tierguard/gate/proxy.py",
+        'dead = upstream.headers.get(ENGINE_STATE_HEADER) == "dead"',
+        "dead = False",
+        ("tests/gate/test_dead_engine.py::test_a_request_that_meets_a_dead_engine_ejects_its_replica_at_once",),
+    ),
+    Mutant(
+        "gate: the health probe takes any answer as alive",
+        "tierguard/gate/upstreams.py",
+        'return resp.status < 500, f"/health answered {resp.status}"',
+        'return True, f"/health answered {resp.status}"',
+        ("tests/gate/test_dead_engine.py::test_the_health_probe_ejects_a_replica_whose_engine_stopped",),
+        slow=True,  # killed by its hang guard (60 s)
+    ),
+    Mutant(
+        "serve: /detokenize decodes on the event loop",
+        "tierguard/serve/app.py",
+        "text = await state.decode(req.tokens)",
+        "text = state.engine.tokenizer.decode(req.tokens, skip_special_tokens=False)",
+        (f"{SERVE_FAILURES}::test_detokenize_decodes_in_the_tokenizer_pool",),
         slow=True,
     ),
 ]

@@ -178,15 +178,18 @@ def test_disk_tier_throughput_requires_clean_checksums_and_measured_rates():
     assert not unmeasured["valid"] and unmeasured["tier_write_gbps"] is None
 
 
-def test_fuzz_http_requires_the_cases_sent_and_answered():
+def test_fuzz_http_requires_the_cases_sent_and_answered_and_the_engine_checked():
     fuzz = load("fuzz_http")
-    out = {"cases": 200, "statuses": {"200": 120, "400": 80}, "problems": 0, "5xx": 0,
-           "tracebacks_or_errors_in_logs": 0, "servers_alive_after": True, "engine_idle_after": True,
-           "block_pool_integrity": "ok"}
-    assert fuzz.judge(out, 200) == {"valid": True, "invalid_reasons": [], "goal_no_problem": True}
-    assert fuzz.judge({**out, "5xx": 1}, 200)["goal_no_problem"] is False  # a finding, on a valid run
-    silent = fuzz.judge({**out, "cases": 3, "statuses": {}}, 200)
+    out = {"cases": 206, "statuses": {"200": 120, "400": 86}, "problems": 0, "5xx": 0, "dead_engines": 0,
+           "plain_checks": 206, "tracebacks_or_errors_in_logs": 0, "servers_alive_after": True,
+           "engine_idle_after": True, "block_pool_integrity": "ok"}
+    assert fuzz.judge(out, 200, 6) == {"valid": True, "invalid_reasons": [], "goal_no_problem": True}
+    assert fuzz.judge({**out, "5xx": 1}, 200, 6)["goal_no_problem"] is False  # a finding, on a valid run
+    assert fuzz.judge({**out, "dead_engines": 1}, 200, 6)["goal_no_problem"] is False
+    silent = fuzz.judge({**out, "cases": 3, "statuses": {}, "plain_checks": 3}, 200, 6)
     assert not silent["valid"] and len(silent["invalid_reasons"]) == 2 and silent["goal_no_problem"] is None
+    unchecked = fuzz.judge({**out, "plain_checks": 100}, 200, 6)  # a stopped engine could pass unseen
+    assert not unchecked["valid"] and "checked after" in unchecked["invalid_reasons"][0]
 
 
 def test_gguf_import_rss_requires_an_import_that_wrote_weights():

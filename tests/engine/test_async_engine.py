@@ -194,3 +194,172 @@ def test_engine_outlives_an_event_loop(tiny_dir):
     second = asyncio.run(asyncio.wait_for(once("b"), 10))
     assert first[-1].finished and second[-1].finished
     asyncio.run(engine.shutdown())
+
+
+# -- failure isolation ----------------------------------------------------------------------
+# Faults are injected by the tests alone (monkeypatching a function the engine calls), so a
+# failure no input can cause today still shows how the engine would take it.
+POISON_SEED = 4242  # the request the injected fault fails
+
+
+def _run_pair(engine: AsyncLLMEngine, poisoned: SamplingParams, healthy: SamplingParams,
+              poisoned_prompt: list[int] | None = None):
+    """A healthy request and a poisoned one at once; (the healthy outputs, what the poisoned raised)."""
+
+    async def collect(rid, prompt, params):
+        return [o async for o in engine.generate(rid, prompt, params)]
+
+    async def main():
+        await engine.start()
+        try:
+            good, bad = await asyncio.wait_for(asyncio.gather(
+                collect("healthy", prompt_ids(1, 12), healthy),
+                collect("poisoned", poisoned_prompt or prompt_ids(2, 12), poisoned),
+                return_exceptions=True), 60)
+            after = await asyncio.wait_for(collect("after", prompt_ids(3, 8), SamplingParams(max_tokens=3)), 60)
+            await _wait_idle(engine)
+            return good, bad, after
+        finally:
+            await engine.shutdown()
+
+    return asyncio.run(main())
+
+
+def _assert_isolated(engine: AsyncLLMEngine, good, bad, after, n_good: int) -> None:
+    from tierguard.engine.api import RequestFailed
+
+    assert isinstance(bad, RequestFailed), bad
+    assert not isinstance(good, BaseException), good  # the neighbour was served in full
+    assert sum(len(o.new_token_ids) for o in good) == n_good and good[-1].finish_reason == "length"
+    assert after[-1].finished and after[-1].finish_reason == "length"  # and so is a later request
+    assert engine.failure() is None
+    engine.engine.check_integrity()  # the failed request's blocks went back to the pool
+
+
+def test_a_request_whose_sampling_raises_fails_alone(tiny_dir, monkeypatch):
+    """The batch's sampling raises on one row: the batch is sampled row by row, that row's
+    request fails with RequestFailed, its neighbour (seeded) gets exactly the tokens it
+    gets alone, and the engine serves on."""
+    import tierguard.engine.llm_engine as llm
+
+    real = llm.sample
+
+    def sample(logits, params, generators):
+        if any(p.seed == POISON_SEED for p in params):
+            raise OverflowError("injected: this row's parameters break the sampler")
+        return real(logits, params, generators)
+
+    healthy = SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.0, seed=7)
+    alone = AsyncLLMEngine(make_engine(tiny_dir))
+    reference = _run_pair(alone, SamplingParams(max_tokens=8, ignore_eos=True), healthy)[0]
+    monkeypatch.setattr(llm, "sample", sample)
+    engine = AsyncLLMEngine(make_engine(tiny_dir))
+    good, bad, after = _run_pair(engine, SamplingParams(max_tokens=8, ignore_eos=True, seed=POISON_SEED), healthy)
+    _assert_isolated(engine, good, bad, after, 8)
+    assert "OverflowError" in str(bad) and "sampling" in str(bad)
+    assert [t for o in good for t in o.new_token_ids] == [t for o in reference for t in o.new_token_ids]
+
+
+def test_a_request_whose_detokenizing_raises_fails_alone(tiny_dir):
+    """The tokenizer raises on one request's ids while its token is detokenized (after
+    sampling, in postprocessing): that request alone fails."""
+    engine = AsyncLLMEngine(make_engine(tiny_dir))
+    poisoned = [5, 6, 7, 400]  # the detokenizer decodes a prompt's tail with the first token
+    real = engine.engine.tokenizer.decode
+
+    def decode(ids, *args, **kwargs):
+        if list(ids[:4]) == poisoned:
+            raise RuntimeError("injected: cannot decode")
+        return real(ids, *args, **kwargs)
+
+    engine.engine.tokenizer.decode = decode
+    good, bad, after = _run_pair(engine, SamplingParams(max_tokens=8, ignore_eos=True),
+                                 SamplingParams(max_tokens=8, ignore_eos=True), poisoned)
+    _assert_isolated(engine, good, bad, after, 8)
+    assert "postprocessing" in str(bad)
+
+
+def test_adding_a_request_that_raises_fails_alone(tiny_dir, monkeypatch):
+    """An exception other than TierguardError while a request is added (its generator, its
+    detokenizer): that request gets RequestFailed instead of never an answer, and the
+    engine holds nothing of it."""
+    import tierguard.engine.llm_engine as llm
+
+    real = llm.make_generator
+
+    def make_generator(seed):
+        if seed == POISON_SEED:
+            raise ValueError("injected: Overflow when unpacking long long")
+        return real(seed)
+
+    monkeypatch.setattr(llm, "make_generator", make_generator)
+    engine = AsyncLLMEngine(make_engine(tiny_dir))
+    good, bad, after = _run_pair(engine, SamplingParams(max_tokens=8, ignore_eos=True, seed=POISON_SEED),
+                                 SamplingParams(max_tokens=8, ignore_eos=True))
+    _assert_isolated(engine, good, bad, after, 8)
+    assert "could not add" in str(bad) and "poisoned" not in engine.engine.seqs
+
+
+def test_out_of_range_sampling_is_refused_by_the_engine_itself(tiny_dir):
+    """Callers other than serve's API (scripts, the demo) meet the same bounds."""
+    engine = make_engine(tiny_dir)
+    vocab = engine.model_config.vocab_size
+    for params in (SamplingParams(seed=2**64), SamplingParams(seed=-(2**63) - 1), SamplingParams(top_k=vocab + 1),
+                   SamplingParams(top_k=10**30, top_p=0.9), SamplingParams(stop=["x"] * 17),
+                   SamplingParams(stop=["x" * 257]), SamplingParams(stop_token_ids=[vocab]),
+                   SamplingParams(stop_token_ids=[1] * 65), SamplingParams(temperature=float("nan")),
+                   SamplingParams(top_p=float("nan"))):
+        with pytest.raises(TierguardError, match="out of range"):
+            engine.add_request("r", [5, 6, 7], params)
+    assert not engine.seqs
+    engine.add_request("r", [5, 6, 7], SamplingParams(seed=2**63 - 1, top_k=vocab, stop=["x" * 256] * 16,
+                                                      stop_token_ids=[vocab - 1] * 64))
+
+
+def test_a_step_failure_stops_the_engine_and_answers_every_request(tiny_dir):
+    """A failure no request owns (here the whole step raises): the running request and one
+    still in the command queue both get EngineDeadError (started or not), failure() names
+    the error, and a later request is refused at once."""
+    import threading
+
+    from tierguard.engine.api import EngineDeadError
+
+    engine = AsyncLLMEngine(make_engine(tiny_dir))
+    real_step = engine.engine.step
+    entered, release = threading.Event(), threading.Event()
+    state = {"steps": 0}
+
+    def step():
+        state["steps"] += 1
+        if state["steps"] < 3:
+            return real_step()
+        entered.set()
+        release.wait(60)  # hold the engine thread inside the step while a request queues up
+        raise RuntimeError("injected: device lost")
+
+    engine.engine.step = step
+
+    async def collect(rid):
+        return [o async for o in engine.generate(rid, prompt_ids(len(rid), 8),
+                                                 SamplingParams(max_tokens=50, ignore_eos=True))]
+
+    async def main():
+        await engine.start()
+        try:
+            running = asyncio.create_task(collect("running"))
+            assert await asyncio.to_thread(entered.wait, 60)
+            queued = asyncio.create_task(collect("queued"))  # its "add" waits behind the step
+            await asyncio.sleep(0.05)
+            release.set()
+            results = await asyncio.wait_for(asyncio.gather(running, queued, return_exceptions=True), 60)
+            with pytest.raises(EngineDeadError) as later:
+                await anext(engine.generate("later", [5, 6, 7], SamplingParams(max_tokens=2)))
+            return results, later.value
+        finally:
+            await engine.shutdown()
+
+    (running, queued), later = asyncio.run(main())
+    assert isinstance(running, EngineDeadError) and running.started, running
+    assert isinstance(queued, EngineDeadError) and not queued.started, queued
+    assert not later.started
+    assert "RuntimeError: injected: device lost" in engine.failure()

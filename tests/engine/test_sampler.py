@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 
+import pytest
 import torch
 
 from tierguard.engine.api import SamplingParams
@@ -46,3 +47,35 @@ def test_seeded_rows_are_reproducible():
     gens = [make_generator(7), make_generator(7), make_generator(8)]
     b = sample(logits, params, gens)
     assert b[0] == b[1] == a[0] and b[2] != b[0]
+
+
+def test_a_batch_that_raises_has_drawn_nothing_from_its_generators():
+    """What lets the engine retry a failed batch row by row: the seeded rows' generators are
+    drawn from only after everything a row's parameters feed, so after a raise they stand
+    where they stood, and the retry draws what the batch would have drawn."""
+    logits = torch.zeros(2, 100)
+    gen = make_generator(7)
+    before = gen.get_state().clone()
+    bad = SamplingParams(temperature=1.0, top_k="three")  # type: ignore[arg-type]  # what validation refuses
+    with pytest.raises(TypeError):
+        sample(logits, [SamplingParams(temperature=1.0, seed=7), bad], [gen, None])
+    assert torch.equal(gen.get_state(), before)
+
+
+def test_extreme_values_the_api_allows_sample_sanely():
+    """top_k at the vocabulary size and beyond it keep every token; a temperature too small
+    to divide by samples as the argmax (vLLM's 0.01 floor) instead of NaN garbage."""
+    logits = torch.tensor([[0.0, 5.0, 1.0, 2.0]])
+    assert sample(logits, [SamplingParams(temperature=1e-300)], [None]) == [1]
+    assert sample(logits, [SamplingParams(temperature=5e-324, top_p=0.5)], [None]) == [1]
+    torch.manual_seed(0)
+    wide = [SamplingParams(temperature=50.0, top_k=k, top_p=0.999) for k in (4, 2**70)]
+    seen = {t for _ in range(200) for t in sample(torch.cat([logits, logits]), wide, [None, None])}
+    assert seen == {0, 1, 2, 3}
+
+
+def test_make_generator_takes_int64_only():
+    assert make_generator(-(2**63)) is not None and make_generator(2**63 - 1) is not None
+    for seed in (2**63, -(2**63) - 1, 2**64):
+        with pytest.raises(ValueError, match="int64"):
+            make_generator(seed)

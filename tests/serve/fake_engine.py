@@ -36,6 +36,8 @@ class FakeEngine:
         self.model_name = "fake"
         self.max_model_len = max_model_len
         self.tokenizer = CharTokenizer()
+        self.vocab_size = CharTokenizer.vocab_size
+        self.dead: str | None = None  # set by a test: the engine "stopped" with this error
         self.delay_s = delay_s
         self.block_size = block_size
         self.blocks: dict[str, int] = {}
@@ -111,6 +113,9 @@ class FakeEngine:
             generation_tokens_total=self.gen_tokens,
             extra={"tier.ram_blocks": 3.0},
         )
+
+    def failure(self) -> str | None:
+        return self.dead
 
     def add_step_listener(self, fn: Callable[[StepStats], None]) -> None:
         self._listeners.append(fn)

@@ -9,7 +9,14 @@ error shape, an SSE stream that ends with [DONE], or, for bytes that are not HTT
 all, aiohttp's plain 400 or a closed connection. Never a 5xx; and every log record at
 ERROR (or with a traceback) from any logger is collected in `Fuzz.bad_logs`.
 
-Used by tests/serve/test_fuzz_http.py (200 cases by default, 5,000 in the slow test) and
+The engine is fuzzed too, not only the HTTP parsing: "engine" cases are requests that
+pass parsing with sampling fields at their extremes (int64 and vocabulary edges and far
+beyond, NaN and Infinity, long stop lists, stop_token_ids out of range, absurd
+max_tokens), and `run_case` sends a plain request straight to serve after every case:
+the case that leaves the engine unable to serve it is reported (`Fuzz.killer`). Requests
+known to stop an engine without its checks (`KILLERS`) are sent first in every run.
+
+Used by tests/serve/test_fuzz_http.py (200 mixed and 30 engine cases by default, 5,000 in the slow test) and
 by bench/fuzz_http.py (prints the counts as JSON).
 """
 
@@ -31,6 +38,8 @@ from hypothesis import strategies as st
 SERVE_KEY = "sk-serve-fuzz"
 GATE_KEY = "sk-gate-fuzz"
 MAX_MODEL_LEN = 64  # every generation the fuzz can start ends within a few dozen tokens
+NO_ANSWER = "no answer within"
+VOCAB = 4096  # the tiny model's (checked at start): the edges the engine cases draw around
 SERVE_ROUTES = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
 GATE_ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/async/completions", "/v1/async/chat/completions"]
 
@@ -61,6 +70,9 @@ class Fuzz:
     statuses: Counter = field(default_factory=Counter)
     cases: int = 0
     bad_logs: _BadLogs = field(default_factory=_BadLogs)
+    plain_checks: int = 0  # plain requests sent to serve after a case
+    killer: bytes | None = None  # the first case after which the engine served no plain request
+    bad_input_5xx: int = 0  # 5xx answers to cases other than "valid" ones
 
     def start(self) -> Fuzz:
         from tierguard.engine.async_engine import AsyncLLMEngine
@@ -69,6 +81,9 @@ class Fuzz:
         self.model_dir = ensure_tiny_model()
         self.engine = AsyncLLMEngine.from_model_dir(self.model_dir, model_name="tiny", max_model_len=MAX_MODEL_LEN,
                                                     kv_cache_gib=0.01, dtype="float32", device="cpu")
+        vocab = self.engine.engine.model_config.vocab_size
+        if vocab != VOCAB:
+            raise AssertionError(f"the tiny model's vocabulary is {vocab}, the cases assume {VOCAB}")
         self._tmp = tempfile.TemporaryDirectory(prefix="tierguard-fuzz-")
         logging.getLogger().addHandler(self.bad_logs)
         self.loop = asyncio.new_event_loop()
@@ -148,8 +163,27 @@ class Fuzz:
                 return Answer(None, error=type(exc).__name__)
             except http.client.BadStatusLine as exc:
                 return Answer(None, error=f"bad status line {exc!r}")
+            except TimeoutError:  # a request left hanging: always a finding
+                self.statuses["no answer"] += 1
+                return Answer(None, error=f"{NO_ANSWER} {timeout:g} s")
         self.statuses[resp.status] += 1
         return Answer(resp.status, resp.getheader("Content-Type", ""), body)
+
+    def engine_serves(self) -> bool:
+        """A plain completion, straight to serve: does the engine still generate?"""
+        self.plain_checks += 1
+        body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 1}).encode()
+        conn = http.client.HTTPConnection("127.0.0.1", self.ports["serve"], timeout=60)
+        try:
+            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json",
+                                                           "Authorization": f"Bearer {SERVE_KEY}"})
+            resp = conn.getresponse()
+            data = resp.read()
+        except (OSError, http.client.HTTPException):
+            return False
+        finally:
+            conn.close()
+        return resp.status == 200 and b'"choices"' in data
 
     # -- after the cases ----------------------------------------------------------------------
     def wait_idle(self, timeout: float = 60.0) -> bool:
@@ -181,13 +215,27 @@ class Fuzz:
         return True
 
 
+def run_case(fuzz: Fuzz, case: tuple[str, bytes, bool, bool, str]) -> str | None:
+    """Send one case, check its answer, then check that the engine still serves a plain
+    request; None when all is well, else what went wrong."""
+    target, raw, framing_ok, half_close, kind = case
+    ans = fuzz.send(target, raw, half_close=half_close)
+    problem = check(ans, framing_ok)
+    if ans.status is not None and ans.status >= 500 and kind != "valid":
+        fuzz.bad_input_5xx += 1
+    if not fuzz.engine_serves() and fuzz.killer is None:  # checked after every case, dead or not
+        fuzz.killer = raw
+        problem = f"{problem + '; ' if problem else ''}the engine served no plain request after this case"
+    return problem
+
+
 def check(ans: Answer, framing_ok: bool) -> str | None:
     """None when `ans` is a well-formed answer; else what is wrong with it.
 
     `framing_ok`: the request was not valid HTTP (byte noise), so aiohttp's own plain-text
     400 or a closed connection are acceptable answers too."""
     if ans.status is None:
-        return None if framing_ok else f"no response ({ans.error})"
+        return None if framing_ok and not ans.error.startswith(NO_ANSWER) else f"no response ({ans.error})"
     if ans.status >= 500:
         return f"{ans.status}: {ans.body[:300]!r}"
     if ans.error:
@@ -285,17 +333,67 @@ _headers = st.lists(st.tuples(st.sampled_from([
     unique_by=lambda kv: kv[0].lower())  # a repeated singleton header is refused by aiohttp's parser itself
 
 
+# -- engine cases: requests that parse, with sampling fields at and far beyond their edges ------
+_INT64 = 2**63
+_edge_ints = st.sampled_from([
+    -(2**70), -_INT64 - 1, -_INT64, -2, -1, 0, 1, 2, 3, VOCAB - 1, VOCAB, VOCAB + 1, 2**31, 2**32, _INT64 - 1,
+    _INT64, 2**64, 2**64 + 1, 10**30]) | st.integers(-(2**80), 2**80)
+# NaN and Infinity: json.dumps writes them, and Python's and pydantic's JSON readers take them
+_edge_floats = st.sampled_from([
+    0.0, -0.0, 5e-324, 1e-300, 1e-8, 0.01, 0.5, 0.9, 1.0, 1.0000001, 2.0, 1e300, float("inf"), float("-inf"),
+    float("nan")]) | st.floats()
+_edge_stops = (st.lists(_words, max_size=20) | _words | st.sampled_from(
+    [["x"] * 16, ["x"] * 17, ["y" * 256], "y" * 257, ["a"] * 5000, [""] * 30, ["\ufffd", "\n"]]))
+_edge_stop_ids = st.lists(_edge_ints, max_size=5) | st.sampled_from([[1] * 64, [1] * 65, list(range(2000)), [VOCAB]])
+_edges = st.fixed_dictionaries({}, optional={
+    "seed": _edge_ints, "top_k": _edge_ints, "max_tokens": _edge_ints, "max_completion_tokens": _edge_ints,
+    "temperature": _edge_floats, "top_p": _edge_floats, "presence_penalty": _edge_floats,
+    "frequency_penalty": _edge_floats, "stop": _edge_stops, "stop_token_ids": _edge_stop_ids, "n": _edge_ints,
+    "best_of": _edge_ints, "priority": _edge_ints, "ignore_eos": st.booleans(),
+})
+# What the edges are laid over: a request that samples (temperature > 0, top_p < 1 filters).
+_sampling_base = st.fixed_dictionaries({
+    "model": st.just("tiny"), "max_tokens": st.integers(1, 4), "temperature": st.floats(0.1, 2),
+    "top_p": st.floats(0.05, 0.99), "stream": st.booleans()})
+
+
+def _engine_body(chat: bool):
+    return st.tuples(_sampling_base, _edges, _valid_chat if chat else _valid_prompt).map(
+        lambda t: {**t[0], **t[1], **t[2]})
+
+
+def request_case(target: str, path: str, body: dict, kind: str = "engine") -> tuple[str, bytes, bool, bool, str]:
+    """One well-framed, authorized POST of `body` (a case in `http_case`'s shape)."""
+    payload = json.dumps(body).encode()
+    key = SERVE_KEY if target == "serve" else GATE_KEY
+    head = (f"POST {path} HTTP/1.1\r\nHost: fuzz\r\nConnection: close\r\nAuthorization: Bearer {key}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n")
+    return target, head.encode() + payload, False, False, kind
+
+
+_KILL = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
+# Requests that stop an engine without range checks and failure isolation: the run must be
+# able to catch them, so every run sends them first.
+KILLERS = [request_case(t, "/v1/completions", {**_KILL, **extra}) for t in ("serve", "gate") for extra in (
+    {"top_k": 10**30, "top_p": 0.9},  # OverflowError in the batched sampler
+    {"seed": 2**64},  # 65 bits: make_generator raised while the request was added
+    {"stop": ["a"] * 5000, "stream": True},  # work on the engine thread for every token
+)]
+
+
 @st.composite
-def http_case(draw) -> tuple[str, bytes, bool, bool]:
+def http_case(draw) -> tuple[str, bytes, bool, bool, str]:
     """(target, raw request bytes, whether the bytes may be invalid HTTP, whether to end our
     side after them: noise may never form a whole request, and the server would otherwise
-    wait for its header deadline)."""
+    wait for its header deadline; the kind of case)."""
     target = draw(st.sampled_from(["serve", "gate"]))
     kind = draw(st.sampled_from(["valid", "valid", "valid", "near_valid", "near_valid", "json", "noise_body",
-                                 "job_get", "byte_noise"]))
+                                 "job_get", "byte_noise", "engine", "engine", "engine"]))
     if kind == "byte_noise":
         prefix = draw(st.sampled_from([b"", b"POST /v1/completions HTTP/1.1\r\n", b"GET / HTTP/1.1\r\nHost: x\r\n"]))
-        return target, prefix + draw(st.binary(max_size=600)), True, True
+        return target, prefix + draw(st.binary(max_size=600)), True, True, kind
+    if kind == "engine":
+        return engine_case(draw, target)
     routes = SERVE_ROUTES if target == "serve" else GATE_ROUTES
     path, method = draw(st.sampled_from(routes)), "POST"
     if kind == "job_get" and target == "gate":  # serve has no job routes
@@ -321,4 +419,14 @@ def http_case(draw) -> tuple[str, bytes, bool, bool]:
     declared = max(0, len(body) - draw(st.sampled_from([0, 0, 0, 1, 5])))  # sometimes shorter than sent
     lines.append(f"Content-Length: {declared}")
     raw = ("\r\n".join(lines) + "\r\n\r\n").encode() + body
-    return target, raw, declared != len(body), False
+    return target, raw, declared != len(body), False, kind
+
+
+def engine_case(draw, target: str | None = None) -> tuple[str, bytes, bool, bool, str]:
+    """A request that reaches the engine's parameters (see `_edges`)."""
+    target = target or draw(st.sampled_from(["serve", "gate"]))
+    path = draw(st.sampled_from(GATE_ROUTES[:2] if target == "serve" else GATE_ROUTES))
+    return request_case(target, path, draw(_engine_body("chat" in path)))
+
+
+engine_cases = st.composite(engine_case)

@@ -1,4 +1,4 @@
-"""Shared test helpers: an in-process server on an ephemeral loopback port, SSE parsing."""
+"""Shared test helpers: an in-process server (or gate) on an ephemeral loopback port, SSE parsing."""
 
 from __future__ import annotations
 
@@ -21,6 +21,21 @@ async def serve(app: web.Application) -> AsyncIterator[TestClient]:
         yield client
     finally:
         await client.close()
+
+
+@contextlib.asynccontextmanager
+async def gate(upstreams: list[str], jobs_dir: str, **settings) -> AsyncIterator[TestClient]:
+    """A real gate (`build_app`, as the CLI builds it) in this process, in front of `upstreams`."""
+    from tierguard.gate.app import build_app
+    from tierguard.gate.policy import GateSettings
+
+    config = GateSettings(upstream=upstreams[0], upstreams=list(upstreams), jobs_dir=jobs_dir, **settings)
+    async with serve(build_app(config.validate())) as client:
+        yield client
+
+
+def url_of(client: TestClient) -> str:
+    return str(client.make_url("")).rstrip("/")
 
 
 def parse_sse(raw: str) -> tuple[list[dict], bool]:

@@ -72,6 +72,17 @@ def chat_with(tokenizer: Any, messages: list[dict], add_generation_prompt: bool)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def decode_with(tokenizer: Any, token_ids: list[int], skip_special_tokens: bool) -> str:
+    try:
+        return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    except Exception as exc:  # tokenizers raises plain exceptions for ids it cannot decode
+        raise TokenizeError(f"cannot decode these token ids: {exc}") from None
+
+
+def _decode(token_ids: list[int], skip_special_tokens: bool) -> str:  # in a worker process
+    return decode_with(_TOKENIZER, token_ids, skip_special_tokens)
+
+
 def _encode(text: str, add_special_tokens: bool) -> list[int]:  # in a worker process
     return encode_with(_TOKENIZER, text, add_special_tokens)
 
@@ -149,8 +160,16 @@ class TokenizerPool:
             return chat_with(self.tokenizer, messages, add_generation_prompt)
         return await self._submit(_encode_chat, chat_with, messages, add_generation_prompt)
 
-    async def _submit(self, in_process: Callable[..., list[int]], with_tokenizer: Callable[..., list[int]],
-                      *args: Any) -> list[int]:
+    async def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Ids to text (vLLM's /detokenize); up to `inline_bytes / 4` ids inline, more in
+        the workers: decoding holds the GIL as encoding does, for a time that grows with the text."""
+        if len(token_ids) * 4 <= self.inline_bytes:
+            self.stats.inline += 1
+            return decode_with(self.tokenizer, token_ids, skip_special_tokens)
+        return await self._submit(_decode, decode_with, list(token_ids), skip_special_tokens)
+
+    async def _submit(self, in_process: Callable[..., Any], with_tokenizer: Callable[..., Any],
+                      *args: Any) -> Any:
         s = self.stats
         if s.pending >= s.max_pending:
             s.rejected += 1

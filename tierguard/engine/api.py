@@ -14,6 +14,29 @@ from typing import Any, Protocol
 from tierguard.common.histogram import LatencyHistogram
 from tierguard.common.stats import flat
 
+# What one request may ask of the sampler. The engine thread does this work for every
+# generated token of every stream, so it is bounded where the request enters (serve's
+# protocol, and `LLMEngine.validate` for every other caller); docs/hardening.md lists them.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as vLLM and torch.Generator.manual_seed
+MAX_STOP_STRINGS = 16  # OpenAI allows 4; each one is searched again after every token
+MAX_STOP_CHARS = 256  # per stop string; the detokenizer holds back this much text
+MAX_STOP_TOKEN_IDS = 64  # each one is compared with every generated token
+
+
+class RequestFailed(RuntimeError):
+    """Serving one request failed inside the engine (not because of its input: that is a
+    TierguardError). Only that request was aborted; the engine serves the others on."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine stopped after a failure it could not attribute to one request; it serves
+    nothing until it is restarted. `started`: the request was already in the engine when
+    it stopped (it may have caused the failure), False for one refused before it got in."""
+
+    def __init__(self, message: str, *, started: bool = False) -> None:
+        super().__init__(message)
+        self.started = started
+
 
 @dataclass
 class SamplingParams:
@@ -36,7 +59,8 @@ class RequestOutput:
     `new_token_ids` may hold several tokens (the engine may flush more than one per
     message); `text_delta` is their detokenized text with stop strings already cut.
     The last increment has `finished=True` and a `finish_reason` of "stop", "length" or
-    "abort".
+    "abort", or "error" with `error` set: the engine failed this request alone (a
+    RequestFailed) and aborted it; front ends raise `error` instead of answering.
     """
 
     request_id: str
@@ -47,6 +71,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int = 0
+    error: Exception | None = None
 
 
 @dataclass
@@ -150,12 +175,16 @@ class AsyncEngine(Protocol):
     """What `tierguard serve` needs from an engine.
 
     Invariants: `generate` yields at least one output and exactly one with
-    `finished=True`, which is the last. Cancelling the consumer (e.g. the client
-    disconnected) or calling `abort` frees the request's KV blocks.
+    `finished=True`, which is the last, or raises: TierguardError for input the engine
+    refuses, RequestFailed when serving this request alone failed, EngineDeadError when
+    the engine stopped (then every request it had, queued or running, gets it, and so
+    does every later one at once). Cancelling the consumer (e.g. the client disconnected)
+    or calling `abort` frees the request's KV blocks.
     """
 
     model_name: str
     max_model_len: int
+    vocab_size: int  # the model's (the logits' width): token ids run from 0 to vocab_size - 1
     tokenizer: Tokenizer
 
     def generate(
@@ -169,6 +198,10 @@ class AsyncEngine(Protocol):
     async def abort(self, request_id: str) -> None: ...
 
     def stats(self) -> EngineStats: ...
+
+    def failure(self) -> str | None:
+        """Why the engine stopped serving (names the error), or None while it serves."""
+        ...
 
     def add_step_listener(self, fn: Callable[[StepStats], None]) -> None: ...
 

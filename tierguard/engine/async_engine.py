@@ -5,6 +5,12 @@ command queue (add / abort), and the thread hands outputs back with
 `loop.call_soon_threadsafe` to the loop each request was made from (so one engine can
 outlive an event loop, e.g. across `asyncio.run` calls in tests). `generate` yields exactly one finished output, last; if its
 consumer is cancelled (client gone), the request is aborted and its blocks freed.
+
+Failures: a request whose own work fails in the engine (LLMEngine's isolation) gets its
+exception and the thread goes on. A failure the engine cannot pin on one request ends the
+thread: every request it knew of, queued in a command or running, gets EngineDeadError,
+so no consumer waits for an output that never comes; `failure()` names the error from
+then on (serve's /health answers 503 with it) and every later `generate` raises at once.
 """
 
 from __future__ import annotations
@@ -18,7 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from tierguard.common.errors import TierguardError
-from tierguard.engine.api import EngineStats, RequestOutput, SamplingParams, StepStats
+from tierguard.engine.api import (
+    EngineDeadError,
+    EngineStats,
+    RequestFailed,
+    RequestOutput,
+    SamplingParams,
+    StepStats,
+)
 from tierguard.engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
@@ -27,15 +40,12 @@ log = logging.getLogger(__name__)
 STATS_MAX_AGE_S = 0.1
 
 
-class EngineDeadError(RuntimeError):
-    """The engine thread failed; in-flight requests get this exception."""
-
-
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.model_name = engine.model_name
         self.max_model_len = engine.config.max_model_len
+        self.vocab_size = engine.model_config.vocab_size
         self.tokenizer = engine.tokenizer
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # request id -> (the loop its consumer runs on, its output queue)
@@ -44,6 +54,9 @@ class AsyncLLMEngine:
         self._stopping = threading.Event()
         self._stats = engine.stats()  # refreshed by the engine thread after every step
         self._error: BaseException | None = None
+        # Held while a consumer registers and while a dying thread takes the consumers to
+        # fail, so none registers unseen after the engine stopped.
+        self._lock = threading.Lock()
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, **options: Any) -> AsyncLLMEngine:
@@ -82,13 +95,15 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         if self._thread is None:
             await self.start()
-        if self._error is not None:
-            raise EngineDeadError(f"engine stopped after an error: {self._error}")
         if request_id in self._queues:
             raise TierguardError(f"request id {request_id!r} is already in flight")
         self.engine.validate(prompt_token_ids, params)  # reads config only; safe from this thread
         q: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = (asyncio.get_running_loop(), q)
+        with self._lock:
+            why = self.failure()
+            if why is not None:
+                raise EngineDeadError(why)
+            self._queues[request_id] = (asyncio.get_running_loop(), q)
         self._commands.put(("add", request_id, (list(prompt_token_ids), params, request_class)))
         finished = False
         try:
@@ -111,6 +126,15 @@ class AsyncLLMEngine:
 
     def stats(self) -> EngineStats:
         return self._stats
+
+    def failure(self) -> str | None:
+        """Why the engine stopped serving, naming the error; None while it serves."""
+        if self._error is not None:
+            return f"engine stopped after an error: {type(self._error).__name__}: {self._error}"
+        thread = self._thread
+        if thread is not None and not thread.is_alive() and not self._stopping.is_set():
+            return "the engine thread exited"
+        return None
 
     def tier_health(self) -> dict | None:
         """The cold tiers' state for /health (None without tiers): `healthy` overall, and
@@ -142,9 +166,8 @@ class AsyncLLMEngine:
                         self._deliver(outputs)
                 else:  # idle: a tier's state still changes (a remote index refresh, Redis down)
                     self._stats = engine.stats()
-            except Exception as exc:  # a bug or device failure: fail every request, keep no zombies
-                log.exception("engine step failed")
-                self._error = exc
+            except Exception as exc:  # not one request's: fail every request, keep no zombies
+                log.exception("engine step failed; the engine stops and fails every request it holds")
                 self._fail_all(exc)
                 return
         for rid in list(engine.seqs):
@@ -165,8 +188,12 @@ class AsyncLLMEngine:
                 prompt, params, request_class = payload
                 try:
                     self.engine.add_request(rid, prompt, params, request_class)
-                except TierguardError as exc:
+                except TierguardError as exc:  # the input: refused
                     self._deliver_error(rid, exc)
+                except Exception as exc:  # adding this one request failed; it left nothing behind
+                    log.exception("adding request %s failed; the engine serves the others on", rid)
+                    self._deliver_error(rid, RequestFailed(f"the engine could not add this request "
+                                                           f"({type(exc).__name__}: {exc})"))
             elif kind == "abort":
                 out = self.engine.abort(rid)
                 if out is not None:
@@ -178,8 +205,8 @@ class AsyncLLMEngine:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             entry = self._queues.get(out.request_id)
-            if entry is not None:
-                by_loop.setdefault(entry[0], []).append((entry[1], out))
+            if entry is not None:  # a failed request's consumer gets its exception
+                by_loop.setdefault(entry[0], []).append((entry[1], out if out.error is None else out.error))
         for loop, items in by_loop.items():
             if not loop.is_closed():
                 try:
@@ -196,13 +223,20 @@ class AsyncLLMEngine:
                 pass
 
     def _fail_all(self, exc: BaseException) -> None:
-        err = EngineDeadError(f"engine step failed: {exc}")
+        """Engine thread, dying: every consumer gets EngineDeadError, those whose request was
+        already in the engine with `started=True`, those still in the command queue without."""
+        with self._lock:
+            self._error = exc
+            consumers = list(self._queues)
+        why = self.failure() or str(exc)
+        started = set(self.engine.seqs)
         for rid in list(self.engine.seqs):
             try:
                 self.engine.abort(rid)
             except Exception:  # the pool may be inconsistent after the failure
                 pass
-            self._deliver_error(rid, err)
+        for rid in consumers:
+            self._deliver_error(rid, EngineDeadError(why, started=rid in started))
 
 
 def on_own_thread(fn: Callable[[], Any]) -> Any:

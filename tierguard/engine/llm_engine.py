@@ -4,6 +4,13 @@
 (append tokens, detect stops, publish computed blocks to the prefix cache, free finished
 sequences). It is not thread-safe; AsyncLLMEngine drives it from a single thread.
 
+Failure isolation: what one request owns is done under its own guard: adding it (all or
+nothing), sampling its row (the batch, then row by row when the batch raises),
+publishing its blocks, detokenizing and its stop checks. When that raises, the request
+alone ends with finish_reason "error" and a RequestFailed, its blocks freed, and the step
+goes on for the others. What belongs to the whole batch (polling the connector,
+scheduling, the model run) raises out of step(): the caller cannot tell whose it was.
+
 Tiers reach the engine only through the KV connector (tierguard/kv/connector.py), built
 here from the config and handed to the scheduler; `--kv-naive-sync-disk` selects the
 benchmark's paging scheduler (naive_scheduler.py) instead of the production one.
@@ -18,6 +25,7 @@ and the clock, so every decision it predicts is made by this code.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -27,15 +35,23 @@ from tierguard.common.clock import SYSTEM_CLOCK, Clock
 from tierguard.common.errors import TierguardError
 from tierguard.common.units import GIB
 from tierguard.engine.admission import ContractAdmission, FifoAdmission
-from tierguard.engine.api import EngineStats, RequestOutput, SamplingParams, StepShape, StepStats, Tokenizer
+from tierguard.engine.api import (
+    EngineStats,
+    RequestFailed,
+    RequestOutput,
+    SamplingParams,
+    StepShape,
+    StepStats,
+    Tokenizer,
+)
 from tierguard.engine.block_manager import BlockManager
 from tierguard.engine.block_pool import BlockPool
 from tierguard.engine.config import EngineConfig
 from tierguard.engine.detokenizer import IncrementalDetokenizer
 from tierguard.engine.model_runner import ModelRunner
-from tierguard.engine.sampler import make_generator, sample
+from tierguard.engine.sampler import check_sampling, make_generator, sample
 from tierguard.engine.scheduler import Scheduler
-from tierguard.engine.sequence import FINISH_REASONS, Sequence, SequenceStatus
+from tierguard.engine.sequence import FINISH_REASONS, ScheduledSeq, Sequence, SequenceStatus
 from tierguard.kv.connector import KVConnector, NoConnector, TierOptions
 from tierguard.kv.contract import ColdContract
 from tierguard.kv.faults import FaultInjector
@@ -47,6 +63,8 @@ from tierguard.model.llama import LlamaModel
 
 if TYPE_CHECKING:
     from tierguard.baselines.naive_kv import NaiveSyncDisk
+
+log = logging.getLogger(__name__)
 
 # While a load or a transfer is the only work, a step sleeps this long instead of
 # spinning (the engine never waits *for* a transfer; it just idles).
@@ -118,12 +136,7 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise TierguardError(f"prompt has token ids outside the vocabulary [0, {vocab})")
-        if (
-            params.temperature < 0
-            or not 0 < params.top_p <= 1
-            or (params.top_k is not None and params.top_k < 1)
-        ):
-            raise TierguardError("sampling params out of range: temperature >= 0, 0 < top_p <= 1, top_k >= 1")
+        check_sampling(params, vocab)
         blocks = self.groups.sequence_blocks(
             n + params.max_tokens, self.config.max_num_batched_tokens, self.config.block_size
         )
@@ -140,14 +153,15 @@ class LLMEngine:
         request_class: str = "interactive",
         arrival: float | None = None,
     ) -> None:
+        """Queue a request. All or nothing: when it raises, the engine holds nothing of it."""
         if request_id in self.seqs:
             raise TierguardError(f"request id {request_id!r} is already in flight")
         self.validate(prompt_token_ids, params)
         seq = Sequence(request_id, prompt_token_ids, params, arrival or self.clock.monotonic(), request_class)
         seq.generator = make_generator(params.seed)
-        self.seqs[request_id] = seq
-        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop)
         self.scheduler.add(seq)
+        self.seqs[request_id], self._detok[request_id] = seq, detok
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks; returns its final output (None if unknown)."""
@@ -267,18 +281,18 @@ class LLMEngine:
             sampling = [s.seq for s in sched.scheduled if s.samples]
             if self.logits_hook is not None and sampling:
                 self.logits_hook([s.seq_id for s in sampling], logits)
-            tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
-            token_of = dict(zip((s.seq_id for s in sampling), tokens, strict=True))
+            token_of, failed = self._sample(logits, sampling)
             for item in sched.scheduled:
                 seq = item.seq
-                seq.num_computed_tokens += item.num_tokens
-                self.block_manager.register_computed(seq)
-                if item.samples:
-                    if seq.num_output_tokens == 0:
-                        self.prompt_tokens_total += seq.num_prompt_tokens
-                    out = self._on_token(seq, token_of[seq.seq_id])
-                    if out is not None:
-                        outputs.append(out)
+                if seq.seq_id in failed:
+                    outputs.append(self._fail(seq, "sampling", failed[seq.seq_id]))
+                    continue
+                try:  # one sequence's own work: its failure is its request's alone
+                    out = self._postprocess(item, token_of)
+                except Exception as exc:
+                    out = self._fail(seq, "postprocessing", exc)
+                if out is not None:
+                    outputs.append(out)
         self.step_count += 1
         stats = StepStats(
             step=self.step_count,
@@ -300,6 +314,53 @@ class LLMEngine:
             fn(stats)
         return outputs
 
+    def _sample(
+        self, logits: torch.Tensor, seqs: list[Sequence]
+    ) -> tuple[dict[str, int], dict[str, Exception]]:
+        """Tokens by sequence id, and the sequences whose sampling raised.
+
+        One batch first; if it raises, row by row (the sampler has drawn nothing from a
+        seeded row's generator then, sampler.py), so only the rows that raise alone fail.
+        When every row of a batch of several raises alone too, the failure is not any
+        one request's: it is raised (the engine stops)."""
+        params, gens = [s.params for s in seqs], [s.generator for s in seqs]
+        try:
+            tokens = sample(logits, params, gens)
+            return dict(zip((s.seq_id for s in seqs), tokens, strict=True)), {}
+        except Exception as batch_error:
+            token_of: dict[str, int] = {}
+            failed: dict[str, Exception] = {}
+            for i, seq in enumerate(seqs):
+                try:
+                    token_of[seq.seq_id] = sample(logits[i : i + 1], params[i : i + 1], gens[i : i + 1])[0]
+                except Exception as exc:
+                    failed[seq.seq_id] = exc
+            if len(seqs) > 1 and not token_of:
+                raise batch_error
+            return token_of, failed
+
+    def _postprocess(self, item: ScheduledSeq, token_of: dict[str, int]) -> RequestOutput | None:
+        """One sequence after the model ran: its computed blocks, then its sampled token."""
+        seq = item.seq
+        seq.num_computed_tokens += item.num_tokens
+        self.block_manager.register_computed(seq)
+        if not item.samples:
+            return None
+        if seq.num_output_tokens == 0:
+            self.prompt_tokens_total += seq.num_prompt_tokens
+        return self._on_token(seq, token_of[seq.seq_id])
+
+    def _fail(self, seq: Sequence, stage: str, exc: Exception) -> RequestOutput:
+        """Abort one request whose own work raised; the rest of the step goes on."""
+        log.error("request %s failed in %s and was aborted; the engine serves the others on",
+                  seq.seq_id, stage, exc_info=exc)
+        seq.status = SequenceStatus.FINISHED_ABORTED
+        self._drop(seq)
+        out = self._output(seq, [], "")
+        out.finish_reason = "error"
+        out.error = RequestFailed(f"the engine failed on this request ({stage}: {type(exc).__name__}: {exc})")
+        return out
+
     def _on_token(self, seq: Sequence, token: int) -> RequestOutput | None:
         seq.append_token(token)
         self.generation_tokens_total += 1
@@ -318,11 +379,16 @@ class LLMEngine:
         return self._output(seq, [token], text)
 
     def _finish(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
+        text = self._detok[seq.seq_id].take(True)  # before anything is freed: it may raise
+        self._drop(seq)
+        return self._output(seq, new_tokens, text)
+
+    def _drop(self, seq: Sequence) -> None:
+        """Free what the engine holds of a finished sequence (idempotent in the pool)."""
         self.scheduler.remove(seq)
         self.runner.release(seq.seq_id)
-        detok = self._detok.pop(seq.seq_id)
-        del self.seqs[seq.seq_id]
-        return self._output(seq, new_tokens, detok.take(True))
+        self._detok.pop(seq.seq_id, None)
+        self.seqs.pop(seq.seq_id, None)
 
     def _output(self, seq: Sequence, new_tokens: list[int], text: str) -> RequestOutput:
         return RequestOutput(
@@ -386,6 +452,8 @@ class LLMEngine:
         pending = set(ids)
         while pending:
             for out in self.step():
+                if out.error is not None:
+                    raise out.error
                 results[out.request_id].extend(out.new_token_ids)
                 if out.finished:
                     pending.discard(out.request_id)

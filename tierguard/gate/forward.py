@@ -60,11 +60,13 @@ class Upstream:
     headers: dict[str, str]
     first_byte_timeout_s: float
 
-    async def post(self, path: str, payload: bytes) -> aiohttp.ClientResponse:
+    async def post(self, path: str, payload: bytes, extra_headers: dict[str, str] | None = None,
+                   ) -> aiohttp.ClientResponse:
         """Send the request and wait for the response headers; raise UpstreamError on failure."""
+        headers = {**self.headers, **extra_headers} if extra_headers else self.headers
         try:
             async with asyncio.timeout(self.first_byte_timeout_s):
-                return await self.session.post(self.base_url + path, data=payload, headers=self.headers)
+                return await self.session.post(self.base_url + path, data=payload, headers=headers)
         except TimeoutError:
             raise UpstreamError(504, "timeout", f"upstream sent no response within {self.first_byte_timeout_s:g} s") from None
         except aiohttp.ClientConnectorError as exc:

@@ -24,8 +24,8 @@ from tierguard.gate.runner import os_reason
 from tierguard.gate.state import GATE, GateState
 from tierguard.gate.tokens_fit import chat_bytes, text_bytes
 from tierguard.gate.trim import can_trim, trim_messages
-from tierguard.gate.upstreams import SESSION_HEADER
-from tierguard.kv.contract import CLASS_HEADER, CLASS_HEADER_ALIAS
+from tierguard.gate.upstreams import ENGINE_STATE_HEADER, SESSION_HEADER
+from tierguard.kv.contract import CLASS_HEADER, CLASS_HEADER_ALIAS, classify_request
 
 PRIORITY_HEADER = CLASS_HEADER  # the one request-class header; CLASS_HEADER_ALIAS also accepted
 ASYNC_HEADER = "X-Tierguard-Async"
@@ -56,7 +56,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
         rec.stream = bool(body.get("stream"))
         if state.reqlog.log_prompts:
             rec.prompt = json.dumps(body.get("messages") if chat else body.get("prompt"))[:10_000]
-        priority = (request.headers.get(PRIORITY_HEADER) or request.headers.get(CLASS_HEADER_ALIAS) or "interactive").lower()
+        # The header, else the body's OpenAI/vLLM `priority` or `service_tier` (never its
+        # `request_class`): the class is sent upstream in PRIORITY_HEADER, which serve obeys.
+        priority = (request.headers.get(PRIORITY_HEADER) or request.headers.get(CLASS_HEADER_ALIAS)
+                    or classify_request(body)).lower()
         if priority not in ("interactive", "batch"):
             return _done(state, rec, arrived, error_response(
                 400, f"{PRIORITY_HEADER} must be 'interactive' or 'batch'"), "bad_request")
@@ -93,7 +96,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         rec.queue_wait_ms = round(ticket.queue_wait_s * 1000, 3)
         state.metrics.child(state.metrics.queue_wait, ticket.klass).observe(ticket.queue_wait_s)
         try:
-            return await _forward(state, request, route, body, rec, arrived, ticket)
+            return await _forward(state, request, route, body, rec, arrived, ticket, priority)
         finally:
             state.controller.release(ticket)
     except PoolBusy as exc:  # counting (or trimming) found the tokenizer queue full
@@ -113,7 +116,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _forward(state: GateState, request: web.Request, route: str, body: dict, rec: RequestRecord,
-                   arrived: float, ticket) -> web.StreamResponse:
+                   arrived: float, ticket, priority: str = "interactive") -> web.StreamResponse:
     """Route, send, relay. An attempt that fails before its first byte reached the client is
     tried once more on another replica; a stream that already started ends with an error
     event instead (`relay`), so no client ever sees an answer twice."""
@@ -123,7 +126,7 @@ async def _forward(state: GateState, request: web.Request, route: str, body: dic
     fleet, payload = state.fleet, json.dumps(body).encode()
     target = fleet.request_for(body, route.endswith("/chat/completions"), request.headers.get(SESSION_HEADER))
     tried: list[int] = []
-    result = None
+    result, dead = None, False
     while result is None:
         replica, decision = fleet.choose(target, tried)  # type: ignore[misc]  # never None on the first try
         tried.append(replica.index)
@@ -133,10 +136,11 @@ async def _forward(state: GateState, request: web.Request, route: str, body: dic
             headers.update({"X-Tierguard-Replica": str(replica.index), "X-Tierguard-Route": decision.reason})
         replica.in_flight += 1
         try:
-            upstream = await replica.upstream.post(route, payload)
+            upstream = await replica.upstream.post(route, payload, {PRIORITY_HEADER: priority})
+            dead = upstream.headers.get(ENGINE_STATE_HEADER) == "dead"  # its engine stopped: eject now
             if upstream.status in RETRY_STATUSES and can_retry:  # refused before any byte: elsewhere
                 upstream.close()
-                _upstream_failed(state, replica, f"status_{upstream.status}")
+                _upstream_failed(state, replica, "engine_dead" if dead else f"status_{upstream.status}")
                 continue
             result = await relay(request, upstream, headers, state.settings.first_byte_timeout_s,
                                  on_chunk_gap=state.metrics.itl.observe, guard=state.guard)
@@ -151,7 +155,9 @@ async def _forward(state: GateState, request: web.Request, route: str, body: dic
     if result.status >= 500:  # forwarded as is (the body or the stream's error event explains it), but counted
         state.metrics.upstream_errors.labels(f"status_{result.status}").inc()
         state.upstream_failures += 1
-        if result.status in (502, 504):
+        if dead:
+            fleet.failed(replica, "engine_dead")
+        elif result.status in (502, 504):
             fleet.failed(replica, "timeout" if result.status == 504 else "status_502")
     else:
         state.upstream_failures = 0

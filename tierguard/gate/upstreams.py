@@ -6,9 +6,13 @@ counts as alive, so servers without that route still pass) and scrapes `/metrics
 for the replica's own queue depth. Requests report their outcome too:
 
 - connection refused or reset: ejected at once (the process is gone);
+- an answer marked `X-Tierguard-Engine-State: dead` (a `tierguard serve` whose engine
+  stopped): ejected at once, as its /health now fails too;
 - a timeout, or a 502/504 before the first byte: ejected after `eject_after`
-  consecutive ones (a slow replica is not a dead one);
-- a failed probe: ejected at once.
+  consecutive ones (a slow replica is not a dead one); a plain 503 is busy, not broken:
+  tried elsewhere, no step towards ejection;
+- a failed probe (no answer, or a 5xx: serve's /health is 503 once its engine stopped):
+  ejected at once.
 
 An ejected replica gets no traffic and is probed again after its backoff: 1 s after
 the first ejection, doubling with each further one up to `backoff_max_s`; a probe
@@ -38,6 +42,8 @@ from tierguard.gate.routing import PrefixAware, ReplicaLoad, RouteDecision, Rout
 
 log = logging.getLogger("tierguard.gate")
 SESSION_HEADER = "X-Tierguard-Session"
+# Set to "dead" by `tierguard serve` on an answer from a server whose engine has stopped.
+ENGINE_STATE_HEADER = "X-Tierguard-Engine-State"
 # Queue depth a replica reports: vLLM (and `tierguard serve`, which uses vLLM's names) waiting
 # requests, the admission queue of a tierguard server/gate, SGLang's queue, the schedule server's.
 _WAITING = re.compile(rb"^(?:vllm:num_requests_waiting|tierguard_gate_queue_depth|sglang:num_queue_reqs"
@@ -122,9 +128,10 @@ class Fleet:
         replica.backoff_s = 0.0
 
     def failed(self, replica: Replica, kind: str) -> None:
-        """An attempt failed before its first byte reached the client; `kind` from UpstreamError."""
+        """An attempt failed; `kind` from UpstreamError, a status ("status_502"), or
+        "engine_dead" (an answer marked with ENGINE_STATE_HEADER)."""
         replica.last_error = kind
-        if kind == "unreachable":
+        if kind in ("unreachable", "engine_dead"):
             self._eject(replica, kind)
             return
         replica.soft_failures += 1

@@ -23,7 +23,7 @@ from tierguard.gate import AdmissionController, AdmissionPolicy
 from tierguard.gate.metrics import ControllerCollector
 from tierguard.gate.tokens_fit import TokenBytes, token_bytes_of
 from tierguard.serve import generate
-from tierguard.serve.errors import APIError, bad_request, from_validation_error
+from tierguard.serve.errors import APIError, bad_request, dead_header, from_validation_error
 from tierguard.serve.generate import ServeState
 from tierguard.serve.metrics import CONTENT_TYPE, ServeMetrics
 from tierguard.serve.protocol import DetokenizeRequest, TokenizeRequest
@@ -198,7 +198,12 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """200 "ok" (or "degraded" with a broken cold tier) while the engine serves; 503 "dead",
+    naming the error, once it has stopped: a gate or an orchestrator takes it out then."""
     engine = request.app[STATE_KEY].engine
+    why = engine.failure()
+    if why is not None:
+        return web.json_response({"status": "dead", "error": why}, status=503, headers=dead_header())
     s = engine.stats()
     body = {
         "status": "ok",
@@ -241,10 +246,7 @@ async def detokenize(request: web.Request) -> web.Response:
     bad = [t for t in req.tokens if t < 0 or (vocab is not None and t >= vocab)]
     if bad:
         raise bad_request(f"token ids {bad[:5]} are outside the vocabulary (0..{vocab})", "tokens")
-    try:
-        text = state.engine.tokenizer.decode(req.tokens, skip_special_tokens=False)
-    except Exception as exc:  # tokenizers raises plain exceptions for ids outside the vocabulary
-        raise bad_request(f"cannot decode these token ids: {exc}", "tokens") from exc
+    text = await state.decode(req.tokens)  # off the event loop, as encoding is
     return web.json_response({"prompt": text})
 
 

@@ -12,6 +12,10 @@ from dataclasses import dataclass
 from aiohttp import web
 from pydantic import ValidationError
 
+from tierguard.common.errors import TierguardError
+from tierguard.engine.api import EngineDeadError, RequestFailed
+from tierguard.gate.upstreams import ENGINE_STATE_HEADER
+
 # HTTP status -> OpenAI error "type" string (what the SDKs expect to see).
 _TYPES = {
     400: "BadRequestError",
@@ -53,6 +57,29 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)
+
+
+def engine_error(exc: BaseException) -> APIError | None:
+    """The answer to an exception from the engine's `generate` (api.AsyncEngine), or None
+    for one the engine does not raise by contract (a bug: the caller lets it through).
+
+    Refused input is a 400; a failure of this request alone a 500; a stopped engine a 503
+    for a request it never started (safe to retry elsewhere) and a 500 for one it was
+    serving (it may be the cause: not retried), both marked with ENGINE_STATE_HEADER so a
+    gate ejects this server at once instead of at its next health probe."""
+    if isinstance(exc, TierguardError):
+        return bad_request(str(exc))
+    if isinstance(exc, RequestFailed):
+        return APIError(500, f"{exc}; the server log has the details")
+    if isinstance(exc, EngineDeadError):
+        if exc.started:
+            return APIError(500, f"the engine stopped while serving this request ({exc})", None, dead_header())
+        return APIError(503, f"this server cannot generate: {exc}; it must be restarted", None, dead_header())
+    return None
+
+
+def dead_header() -> dict[str, str]:
+    return {ENGINE_STATE_HEADER: "dead"}
 
 
 def from_validation_error(exc: ValidationError) -> APIError:

@@ -5,7 +5,10 @@ cannot fit by the byte rule → tokenize (off the loop, bounded queue) → check
 context budget → run the engine request → stream chunks or gather one body. The invariant that matters for memory:
 every engine request either finishes or is aborted here (`finally`), whether the
 client read to the end, disconnected mid-stream, or the handler was cancelled, so
-its KV blocks always return to the pool.
+its KV blocks always return to the pool. Every request gets an answer: what the engine
+raises (refused input, a failure of this request alone, a stopped engine) becomes an
+error status before the first byte and an error event after it (`errors.engine_error`),
+and once the engine has stopped, new requests get 503 before any work is done for them.
 """
 
 from __future__ import annotations
@@ -15,23 +18,24 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from aiohttp import web
 
-from tierguard.common.errors import TierguardError
 from tierguard.common.peers import Backlog, BodyError, PeerGuard, SlowReader
 from tierguard.common.tokenpool import PoolBusy, TokenizeError, TokenizerPool
 from tierguard.engine.api import AsyncEngine, RequestOutput
 from tierguard.gate import AdmissionController
 from tierguard.gate.tokens_fit import TokenBytes, chat_bytes, text_bytes
 from tierguard.serve.admission import admitted
-from tierguard.serve.errors import APIError, bad_request
+from tierguard.serve.errors import APIError, bad_request, dead_header, engine_error
 from tierguard.serve.metrics import ServeMetrics
 from tierguard.serve.protocol import ChatCompletionRequest, CompletionRequest
 from tierguard.serve.responses import Shape, usage
 from tierguard.serve.sse import ClientGone, SSEWriter
 
 log = logging.getLogger("tierguard.serve")
+T = TypeVar("T")
 
 @dataclass
 class ServeState:
@@ -68,6 +72,21 @@ class ServeState:
         except BodyError as exc:
             raise APIError(exc.status, exc.message) from None
 
+    def check_engine(self) -> None:
+        """503 at once when the engine has stopped: nothing can be generated any more."""
+        why = self.engine.failure()
+        if why is not None:
+            raise APIError(503, f"this server cannot generate: {why}; it must be restarted", None, dead_header())
+
+    def check_request(self, req: CompletionRequest | ChatCompletionRequest, headers) -> None:
+        """Class, then everything refused before any work: unsupported or out-of-range
+        fields, the model name, a stopped engine."""
+        req.request_class = req.resolve_class(headers)
+        _refuse(req.unsupported())
+        _refuse(req.out_of_range(self.engine.vocab_size))
+        self.check_model(req.model)
+        self.check_engine()
+
     def refuse_unfit(self, nbytes: int | None) -> None:
         """The byte rule: refuse a text that cannot fit before any tokenizer runs on it."""
         limit = self.engine.max_model_len
@@ -83,13 +102,17 @@ class ServeState:
         self.refuse_unfit(chat_bytes(messages))
         return await self._pooled(self.pool.encode_chat(messages, add_generation_prompt))
 
-    async def _pooled(self, job: Awaitable[list[int]]) -> list[int]:
+    async def decode(self, token_ids: list[int]) -> str:
+        """/detokenize: the text of these ids (special tokens kept), decoded in the pool."""
+        return await self._pooled(self.pool.decode(token_ids, skip_special_tokens=False), "tokens")
+
+    async def _pooled(self, job: Awaitable[T], param: str = "messages") -> T:
         try:
             return await job
         except PoolBusy as exc:
             raise APIError(503, f"{exc}; retry shortly", None, {"Retry-After": str(exc.retry_after_s)}) from None
         except TokenizeError as exc:
-            raise bad_request(str(exc), "messages") from None
+            raise bad_request(str(exc), param) from None
 
     def budget(self, num_prompt: int, requested: int | None) -> int:
         """max_tokens to run with; refuses requests that cannot fit the context."""
@@ -140,9 +163,7 @@ class _Timer:
 async def completions(request: web.Request, state: ServeState) -> web.StreamResponse:
     arrival = time.monotonic()
     req = CompletionRequest.model_validate_json(await state.read_body(request))
-    req.request_class = req.resolve_class(request.headers)
-    _refuse(req.unsupported())
-    state.check_model(req.model)
+    state.check_request(req, request.headers)
     prompt = req.single_prompt()
     ids = list(prompt) if isinstance(prompt, list) else await state.encode(prompt, add_special_tokens=True)
     max_tokens = state.budget(len(ids), req.max_tokens)  # refuse what can never fit before it takes a slot
@@ -155,9 +176,7 @@ async def completions(request: web.Request, state: ServeState) -> web.StreamResp
 async def chat_completions(request: web.Request, state: ServeState) -> web.StreamResponse:
     arrival = time.monotonic()
     req = ChatCompletionRequest.model_validate_json(await state.read_body(request))
-    req.request_class = req.resolve_class(request.headers)
-    _refuse(req.unsupported())
-    state.check_model(req.model)
+    state.check_request(req, request.headers)
     messages = req.plain_messages()
     ids = await state.encode_chat(messages, req.add_generation_prompt)
     if state.admission is None:
@@ -176,6 +195,14 @@ async def chat_completions(request: web.Request, state: ServeState) -> web.Strea
 def _refuse(err: APIError | None) -> None:
     if err is not None:
         raise err
+
+
+def _raise_engine_error(exc: Exception) -> None:
+    """Raise the API's answer to what the engine raised, or `exc` itself if it has none."""
+    err = engine_error(exc)
+    if err is None:
+        raise exc
+    raise err from exc
 
 
 @dataclass
@@ -207,17 +234,20 @@ async def _run(
             first = await anext(gen)
         except StopAsyncIteration:
             raise APIError(500, "the engine produced no output for this request") from None
-        except TierguardError as exc:
-            raise bad_request(str(exc)) from exc
+        except Exception as exc:
+            _raise_engine_error(exc)
         outputs = _chain(first, gen, progress)
         if req.stream:
             return await _stream(request, req, shape, timer, outputs, headers, state.guard.backlog(request))
         pieces: list[str] = []
         last = first
-        async for out in outputs:
-            timer.on_output(out)
-            pieces.append(out.text_delta)
-            last = out
+        try:
+            async for out in outputs:
+                timer.on_output(out)
+                pieces.append(out.text_delta)
+                last = out
+        except Exception as exc:
+            _raise_engine_error(exc)
         timer.on_finished(last)
         return web.json_response(
             shape.whole(
@@ -275,9 +305,14 @@ async def _stream(
         why = "stopped reading (slow reader)" if isinstance(exc.__cause__, SlowReader) else "went away"
         log.info("client %s during %s; aborting it", why, shape.id)
     except Exception as exc:  # headers are out: the failure can only travel as an event
-        log.exception("request %s failed mid-stream", shape.id)
+        err = engine_error(exc)
+        if err is None:  # not an engine failure (logged there): a bug here
+            log.exception("request %s failed mid-stream", shape.id)
+            err = APIError(500, f"generation failed: {exc}")
+        else:
+            log.warning("request %s failed mid-stream: %s", shape.id, err.message)
         try:
-            await sse.send(APIError(500, f"generation failed: {exc}").body())
+            await sse.send(err.body())
             await sse.done()
         except ClientGone:
             pass

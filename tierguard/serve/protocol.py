@@ -4,6 +4,13 @@ Models are strict: a string where a number belongs is a 400, not a silent coerci
 so a client bug shows up at the edge instead of as odd sampling. Unknown fields are
 ignored (clients send vendor extensions freely); fields we accept but cannot honour
 are refused by `unsupported()` with a message naming the field.
+
+Every sampling field is range-checked here, with vLLM's bounds where it has them:
+floats finite, `seed` an int64, `top_k` from -1 to the vocabulary size, `stop` and
+`stop_token_ids` bounded in count (and length) with ids in the vocabulary (the bounds
+are in tierguard/engine/api.py and docs/hardening.md). The engine does the work a field
+asks for after every generated token of a stream, so none is left unbounded; the
+vocabulary-dependent checks are `out_of_range(vocab_size)`.
 """
 
 from __future__ import annotations
@@ -13,13 +20,21 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tierguard.engine.api import SamplingParams
-from tierguard.kv.contract import classify_request
+from tierguard.engine.api import (
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SEED_MAX,
+    SEED_MIN,
+    SamplingParams,
+)
+from tierguard.kv.contract import CLASS_HEADER, CLASS_HEADER_ALIAS, classify_request
 from tierguard.serve.errors import APIError, bad_request
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # JSON's NaN / Infinity extensions (which Python and pydantic read) are refused.
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -32,12 +47,16 @@ class _Sampling(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
+    # Finite; 0 is greedy, and a positive value below 0.01 samples as 0.01 (as in vLLM).
     temperature: float | None = Field(default=None, ge=0.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    # vLLM accepts 0 or -1 for "disabled"; we map both to None (no sentinel inside).
+    # vLLM accepts 0 or -1 for "disabled"; we map both to None (no sentinel inside). At most
+    # the vocabulary size (`out_of_range`).
     top_k: int | None = Field(default=None, ge=-1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)  # int64, as vLLM
+    # At most MAX_STOP_STRINGS strings of at most MAX_STOP_CHARS characters (`out_of_range`).
     stop: str | list[str] | None = None
+    # At most MAX_STOP_TOKEN_IDS ids, each in the vocabulary (`out_of_range`).
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     stream: bool = False
@@ -55,11 +74,45 @@ class _Sampling(_Strict):
     service_tier: str | None = None
 
     def resolve_class(self, headers: Mapping[str, str]) -> str:
-        """tierguard's own `request_class` wins (the gate sets it); otherwise the
-        `x-tierguard-class` header, then `priority` / `service_tier`."""
+        """The class header wins (`X-Tierguard-Priority`, or the older `X-Tierguard-Class`):
+        `tierguard gate` sends the class it admitted the request as, and a body must not
+        override that. Without one (a direct client), the body's `request_class`, then its
+        `priority` / `service_tier`."""
+        if any(headers.get(name) for name in (CLASS_HEADER, CLASS_HEADER_ALIAS)):
+            return classify_request(None, headers)
         if "request_class" in self.model_fields_set:
             return self.request_class
         return classify_request({"priority": self.priority, "service_tier": self.service_tier}, headers)
+
+    def out_of_range(self, vocab_size: int | None) -> APIError | None:
+        """The bounds that need the model's vocabulary size (None: the engine gave none),
+        and the stop bounds; a 400 naming the field."""
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stops) > MAX_STOP_STRINGS:
+            return bad_request(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
+        longest = max(map(len, stops), default=0)
+        if longest > MAX_STOP_CHARS:
+            return bad_request(
+                f"each stop string may have at most {MAX_STOP_CHARS} characters, got one of {longest}", "stop"
+            )
+        ids = self.stop_token_ids or []
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            return bad_request(
+                f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}", "stop_token_ids"
+            )
+        if vocab_size is None:
+            return None
+        if self.top_k is not None and self.top_k > vocab_size:
+            return bad_request(
+                f"top_k must be -1 or 0 (disabled) or at most the vocabulary size {vocab_size}, got {_num(self.top_k)}",
+                "top_k",
+            )
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            return bad_request(
+                f"stop_token_ids {bad[:3]} are outside the vocabulary [0, {vocab_size})", "stop_token_ids"
+            )
+        return None
 
     def _common_unsupported(self) -> APIError | None:
         if self.n != 1:
@@ -95,6 +148,11 @@ class _Sampling(_Strict):
     @property
     def continuous_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+def _num(n: int) -> str:
+    """An integer for a message: in full unless it is absurdly long."""
+    return str(n) if abs(n) < 10**20 else f"a number of {n.bit_length()} bits"
 
 
 class CompletionRequest(_Sampling):
