@@ -153,9 +153,9 @@ def test_an_older_journal_entry_does_not_bring_back_a_block_the_budget_deleted(t
     a.write_many(blocks(1, 2, 3, 4))  # journal: put 1..4, not yet read back by `a`
     announce = a.index.announce
 
-    def refresh_first(pipe, puts, dels):  # the refresh reads the old entry mid-write
+    def refresh_first(puts, dels):  # the refresh reads the old entry mid-write
         a.index.refresh()
-        announce(pipe, puts, dels)
+        return announce(puts, dels)
 
     monkeypatch.setattr(a.index, "announce", refresh_first)
     assert a.write_many(blocks(5, 6)) == [True, True]

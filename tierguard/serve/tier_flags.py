@@ -28,8 +28,10 @@ def add_tier_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--kv-remote-url",
         default=None,
-        help="shared remote KV tier on Redis, redis://HOST:PORT[/DB]: full prefix blocks are written "
-        "behind the answer and read by every replica naming the same Redis (needs --kv-host-gib)",
+        help="shared remote KV tier on Redis, redis://HOST:PORT[/DB] (one node) or "
+        "redis+cluster://HOST:PORT[,HOST:PORT...] (a Redis Cluster, seeded by any of its nodes): full "
+        "prefix blocks are written behind the answer and read by every replica naming the same Redis "
+        "(needs --kv-host-gib)",
     )
     g.add_argument(
         "--kv-remote-ttl-s",
@@ -107,20 +109,17 @@ def remote_kwargs(args: argparse.Namespace, host_gib: float) -> dict:
 
 
 def check_redis_url(url: str, flag: str) -> None:
-    """redis://HOST:PORT[/DB] (or rediss://, unix://PATH); a one-line error otherwise."""
+    """redis://HOST:PORT[/DB] (or rediss://, unix://PATH, redis+cluster://HOST:PORT[,...]); a
+    one-line error otherwise."""
+    from tierguard.common.redis_client import parse_redis_url
+
     try:
-        parts = urlsplit(url)
-        port, db = parts.port, parts.path.strip("/")
+        target = parse_redis_url(url)
     except ValueError as e:
-        raise TierguardError(f"{flag} {url!r}: {e}") from None
-    if parts.scheme == "unix" and parts.path:
-        return
-    if parts.scheme not in ("redis", "rediss") or not parts.hostname:
-        raise TierguardError(f"{flag} must be redis://HOST:PORT[/DB], got {url!r}")
-    if port is None:
+        raise TierguardError(f"{flag} must be redis://HOST:PORT[/DB] or redis+cluster://HOST:PORT[,...]: {e}") \
+            from None
+    if not target.cluster and url.startswith("redis") and urlsplit(url).port is None:
         raise TierguardError(f"{flag} {url!r} names no port")
-    if db and not db.isdigit():
-        raise TierguardError(f"{flag} {url!r}: the database must be a number, got {db!r}")
 
 
 def tier_kwargs(args: argparse.Namespace) -> dict:
