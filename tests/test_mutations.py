@@ -69,6 +69,8 @@ HF_PARITY = "tests/engine/test_hf_parity.py::test_batched_chunked_prefill_and_pr
 HF_PARITY_PER_OP = "tests/engine/test_hf_parity.py::test_parity_variants[qwen3]"
 REMOTE_GUARD = "tests/engine/test_remote_tier_engine.py::test_a_prefix_written_by_one_engine_is_loaded_by_another"
 VLLM_LOGIC = "tests/integrations/test_vllm_connector_logic.py"
+CLUSTER_FAILOVER = ("tests/gate/test_shared_limits_cluster.py::"
+                    "test_a_failover_seen_through_a_redirect_holds_shared_admission_until_every_lease_is_back")
 
 MUTANTS = [
     Mutant(
@@ -225,6 +227,35 @@ MUTANTS = [
         '("slots", "long", "q:0",',
         '(f"slots:{self.gate_id}", f"long:{self.gate_id}", "q:0",',
         ("tests/gate/test_shared_limits.py::test_two_gates_never_run_more_than_the_shared_limit",),
+    ),
+    Mutant(
+        "remote tier on a cluster: one breaker for every node (a hung shard stops them all)",
+        "tierguard/kv/**/*.py",
+        "        breaker = self.breakers[node]\n",
+        "        breaker = self.breakers[TOPOLOGY]\n",
+        ("tests/kv/test_kv_remote_cluster.py::test_a_hung_master_costs_only_its_own_blocks",),
+    ),
+    Mutant(
+        "shared limits on a cluster: lease keys without a hash tag (scripts span slots)",
+        "tierguard/gate/**/*.py",
+        'tag = "{" + prefix + "}"',
+        "tag = prefix",
+        ("tests/gate/test_shared_limits_cluster.py::test_a_fleets_keys_and_channel_share_one_slot",),
+    ),
+    Mutant(
+        "shared limits: a failover seen through a redirect is not taken as an outage",
+        "tierguard/gate/**/*.py",
+        "if self.store.moves != self._moves_seen:",
+        "if False:",
+        (CLUSTER_FAILOVER,),
+    ),
+    Mutant(
+        "shared limits: after an outage a gate counts on Redis before the others wrote their leases back",
+        "tierguard/gate/**/*.py",
+        "if self._down_since is not None and not self._settled():",
+        "if False:",
+        (CLUSTER_FAILOVER,),
+        because="shared admission resumed before the other gates wrote their leases back",
     ),
     Mutant(
         "remote tier: a lookup asks Redis on the engine thread",
