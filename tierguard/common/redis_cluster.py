@@ -32,6 +32,7 @@ import subprocess
 import time
 
 import redis
+from redis.crc import key_slot
 
 from tierguard.common.redis_server import INSTALL_HINT, RedisServer, free_port, redis_server_path
 
@@ -126,6 +127,17 @@ class LocalCluster:
             if any(_in_span(slot, span) for span in r["slots"]):
                 return r["port"]
         raise LookupError(f"slot {slot} is not served by any master")
+
+    def masters_of(self, keys: list) -> list[int]:
+        """The master serving each key now: one `CLUSTER NODES`, slots hashed here (redis-py's
+        CRC16, the function `CLUSTER KEYSLOT` runs)."""
+        spans = [(r["port"], span) for r in self.topology() if r["role"] == "master" and not r["failed"]
+                 for span in r["slots"]]
+        out = []
+        for key in keys:
+            slot = key_slot(key.encode() if isinstance(key, str) else key)
+            out.append(next(port for port, span in spans if _in_span(slot, span)))
+        return out
 
     def replica_of(self, master_port: int) -> int:
         for r in self.topology():

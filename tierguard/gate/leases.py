@@ -305,14 +305,15 @@ class LeaseStore:
 
     async def reset(self) -> None:
         """Drop every pooled connection: after Redis died, each of them would fail once more
-        (a restarted Redis closed them) and look like a new outage."""
+        (a restarted Redis closed them) and look like a new outage. A cluster client does
+        that itself: a failed connection has it drop the node's idle connections and read
+        the slot map again on its next call."""
+        if self.cluster:
+            return
         try:
             async with asyncio.timeout(self.timeout_s * 2):
-                if self.cluster:  # its connections closed; the slot map is read again on the next call
-                    await self.client.aclose()
-                else:
-                    await self.client.connection_pool.disconnect()
-        except (RedisError, RedisClusterException, TimeoutError, OSError):
+                await self.client.connection_pool.disconnect()
+        except (RedisError, TimeoutError, OSError):
             pass
 
     async def close(self) -> None:

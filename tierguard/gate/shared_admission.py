@@ -362,7 +362,9 @@ class SharedAdmission:
             written |= held.keys()
             self.counters.lease_expiries += r.reaped
             self.counters.readded += r.readded
-            self._set_share(r.live_gates)
+            # Out of shared admission, the share never grows: a new master may not yet hold
+            # every live gate's heartbeat (they write theirs back on their own next call).
+            self._set_share(max(r.live_gates, self.counters.live_gates) if recovering else r.live_gates)
             if self._held.keys() <= written:
                 break
         else:
