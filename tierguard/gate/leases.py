@@ -251,7 +251,10 @@ class LeaseStore:
         except (RedisError, RedisClusterException, TimeoutError) as exc:
             raise SharedDown(f"{type(exc).__name__}: {exc}"[:200]) from None
         if self.cluster:
-            self._saw(self.client.get_node_from_key(self._keys[0]).name)
+            try:
+                self._saw(self.client.get_node_from_key(self._keys[0]).name)
+            except (RedisClusterException, KeyError, AttributeError):
+                pass  # the slot map is being read again: the next call tells
         return out
 
     def _saw(self, master: str) -> None:
