@@ -261,7 +261,8 @@ MUTANTS = [
         "remote tier: a lookup asks Redis on the engine thread",
         "tierguard/kv/**/*.py",
         "        return self.index.contains(block_hash)",
-        "        return bool(self._call(lambda: self.client.exists(self.key(block_hash)))[1])",
+        "        key = self.key(block_hash)\n"
+        "        return bool(self._call(self.nodes.node_of(key), lambda: self.client.exists(key))[1])",
         (REMOTE_GUARD,),
         because="on the engine thread",
     ),
