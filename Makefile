@@ -14,7 +14,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test check lint venv system-deps llamacpp slow-deps clean vllm
+.PHONY: demo test check lint venv system-deps llamacpp slow-deps clean vllm redis-cluster
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -35,13 +35,23 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 # Debian packages the tests use for real: redis-server (the gate's shared limits, the remote
-# KV tier). Installed quietly when missing and make runs as root with apt-get; otherwise the
-# tests that need it skip and name the package.
+# KV tier) and redis-cli (redis-tools, which redis-server brings: `--cluster create` for the
+# Redis Cluster tests). Installed quietly when missing and make runs as root with apt-get;
+# otherwise the tests that need them skip and name the package.
 system-deps:
 	@command -v redis-server >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
 	  { apt-get install -y -qq redis-server >/dev/null 2>&1 || \
 	    { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq redis-server >/dev/null 2>&1; }; }; } || \
 	  echo "redis-server is not installed (apt-get install -y redis-server): the tests that need it will skip"
+	@command -v redis-cli >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	  apt-get install -y -qq redis-tools >/dev/null 2>&1; } || \
+	  echo "redis-cli is not installed (apt-get install -y redis-tools): the Redis Cluster tests will skip"
+
+# A Redis Cluster on loopback (3 masters, 3 replicas: tierguard/common/redis_cluster.py) for manual
+# runs and benches; prints its redis+cluster:// URL and stops on Ctrl-C. The tests start their own.
+#   make redis-cluster REDIS_CLUSTER_ARGS="--node-timeout-ms 1500"
+redis-cluster: $(STAMP) system-deps
+	$(BIN)/python -m tierguard.common.redis_cluster $(REDIS_CLUSTER_ARGS)
 
 # `make test` runs the slow checks too, and they need three more tools (vLLM below). llama-cpp-python
 # (llama.cpp compiled from source: about 5 minutes on 2 cores) gets its own venv inside the

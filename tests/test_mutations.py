@@ -75,6 +75,8 @@ AT_REST_BINDING = "tests/kv/test_kv_at_rest_binding.py"
 RECOMMEND_RANGES = "tests/report/test_recommend_ranges.py::test_every_sentence_claims_an_order_only_where_the_ranges_are_apart"
 ENGINE_FAILURES = "tests/engine/test_async_engine.py"  # faults injected into one request, or the step
 SERVE_FAILURES = "tests/serve/test_engine_failures.py"
+CLUSTER_FAILOVER = ("tests/gate/test_shared_limits_cluster.py::"
+                    "test_a_failover_seen_through_a_redirect_holds_shared_admission_until_every_lease_is_back")
 
 MUTANTS = [
     Mutant(
@@ -236,7 +238,8 @@ MUTANTS = [
         "remote tier: a lookup asks Redis on the engine thread",
         "tierguard/kv/**/*.py",
         "        return self.index.contains(block_hash)",
-        "        return bool(self._call(lambda: self.client.exists(self.key(block_hash)))[1])",
+        "        key = self.key(block_hash)\n"
+        "        return bool(self._call(self.nodes.node_of(key), lambda: self.client.exists(key))[1])",
         (REMOTE_GUARD,),
         because="on the engine thread",
     ),
@@ -700,6 +703,35 @@ MUTANTS = [
         "text = state.engine.tokenizer.decode(req.tokens, skip_special_tokens=False)",
         (f"{SERVE_FAILURES}::test_detokenize_decodes_in_the_tokenizer_pool",),
         slow=True,
+    ),
+    Mutant(
+        "remote tier on a cluster: one breaker for every node (a hung shard stops them all)",
+        "tierguard/kv/**/*.py",
+        "        breaker = self.breakers[node]\n",
+        "        breaker = self.breakers[TOPOLOGY]\n",
+        ("tests/kv/test_kv_remote_cluster.py::test_a_hung_master_costs_only_its_own_blocks",),
+    ),
+    Mutant(
+        "shared limits on a cluster: lease keys without a hash tag (scripts span slots)",
+        "tierguard/gate/**/*.py",
+        'tag = "{" + prefix + "}"',
+        "tag = prefix",
+        ("tests/gate/test_shared_limits_cluster.py::test_a_fleets_keys_and_channel_share_one_slot",),
+    ),
+    Mutant(
+        "shared limits: a failover seen through a redirect is not taken as an outage",
+        "tierguard/gate/**/*.py",
+        "if self.store.moves != self._moves_seen:",
+        "if False:",
+        (CLUSTER_FAILOVER,),
+    ),
+    Mutant(
+        "shared limits: after an outage a gate counts on Redis before the others wrote their leases back",
+        "tierguard/gate/**/*.py",
+        "if self._down_since is not None and not self._settled():",
+        "if False:",
+        (CLUSTER_FAILOVER,),
+        because="shared admission resumed before the other gates wrote their leases back",
     ),
 ]
 FAST = [m for m in MUTANTS if not m.slow]

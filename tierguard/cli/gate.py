@@ -92,9 +92,10 @@ _FLEET_FLAGS = {
                                  "(default 1)"),
     "eject-after": (int, "consecutive timeouts or 502/504 that eject an upstream; a refused connection "
                          "ejects at once (default 3)"),
-    "shared-state": (str, "redis://[[USER]:PASSWORD@]HOST:PORT[/DB] (rediss:// for TLS, docs/fleet.md): "
+    "shared-state": (str, "redis://[[USER]:PASSWORD@]HOST:PORT[/DB] (rediss:// for TLS), or "
+                          "redis+cluster://HOST:PORT[,HOST:PORT...] for a Redis Cluster (docs/fleet.md): "
                           "--max-concurrency, --max-long and the queues become global across every gate "
-                          "naming the same Redis (slots are leases)"),
+                          "naming the same Redis (slots are leases, all in one cluster slot)"),
     "shared-prefix": (str, "Redis key prefix; one per fleet of gates (default tierguard:gate)"),
     "lease-ms": (int, "a slot of a gate that stops renewing it (killed) is free again after this "
                       "(default 5000)"),

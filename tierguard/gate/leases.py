@@ -5,15 +5,22 @@ member of a sorted set scored by its expiry time; the holder renews its leases e
 lease/3, everyone else reaps expired ones inside each script. So a dead gate's slots
 come back within one lease time, and a live gate never loses one it renews.
 
-Keys (prefix P, default `tierguard:gate`; one prefix per fleet):
+Keys (prefix P, default `tierguard:gate`; one prefix per fleet). Every key carries the
+hash tag `{P}`, so on a Redis Cluster (`--shared-state redis+cluster://...`) all of a
+fleet's keys live in one slot, on one shard, and each script below stays one atomic step
+there (a script's keys must share a slot; redis-py refuses one that spreads them):
 
-    P:slots          ZSET lease -> expiry ms      every running request of every gate
-    P:long           ZSET lease -> expiry ms      the long ones among them
-    P:q:{0,1,2,3}    ZSET waiter -> arrival seq   interactive, long, batch, async-job queues (FIFO)
-    P:wexp           ZSET waiter -> expiry ms     waiters are leased too, shorter: a dead gate's go fast
-    P:seq            counter                      arrival order across gates
-    P:gates          ZSET gate id -> expiry ms    live gates (the fallback share, see below)
-    channel P:freed                               published when a slot or a queue place frees
+    {P}:slots          ZSET lease -> expiry ms      every running request of every gate
+    {P}:long           ZSET lease -> expiry ms      the long ones among them
+    {P}:q:{0,1,2,3}    ZSET waiter -> arrival seq   interactive, long, batch, async-job queues (FIFO)
+    {P}:wexp           ZSET waiter -> expiry ms     waiters are leased too, shorter: a dead gate's go fast
+    {P}:seq            counter                      arrival order across gates
+    {P}:gates          ZSET gate id -> expiry ms    live gates (the fallback share, see below)
+    channel {P}:freed                               published when a slot or a queue place frees
+
+The wake-up channel is classic pub/sub: a PUBLISH reaches subscribers on every node of a
+cluster, so the subscriber (redis-py's cluster pub/sub) may sit on any of them; wake-ups
+only shorten waits (waiters also poll), so one lost in a failover costs a poll period.
 
 Waiters hold a shorter lease than slots (`waiter_ms`, a fifth of the slot lease, at least
 200 ms), refreshed by their gate every third of it: a dead gate's queued requests are
@@ -31,7 +38,10 @@ count only as far as long slots are free, as a long waiter cannot take more).
 
 Every call is bounded by `timeout_s` (connect, command, and an asyncio deadline around
 both) and raises `SharedDown` on any failure, never hangs: the caller decides what an
-unreachable Redis means (`shared_admission.py`: the local share).
+unreachable Redis means (`shared_admission.py`: the local share). On a cluster, the
+node that answers for the fleet's slot is watched: `moves` counts each time it changed
+(a failover, or the slot migrated), which the caller treats like an outage, because the
+new master may lack the last writes of the old one (replication is asynchronous).
 """
 
 from __future__ import annotations
@@ -39,14 +49,13 @@ from __future__ import annotations
 import asyncio
 import os
 from dataclasses import dataclass
+from typing import Any
 
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from tierguard.common.redact import redact_url
+from tierguard.common.redis_client import async_client, is_cluster
 
 QUEUES = ("interactive", "long", "batch", "async")  # queue order; index = position in the scripts
 
@@ -198,6 +207,9 @@ class LeaseStore:
 
     def __init__(self, url: str, *, prefix: str = "tierguard:gate", lease_ms: int = 5000,
                  timeout_s: float = 0.1, max_connections: int = 32) -> None:
+        if not prefix or "{" in prefix or "}" in prefix:
+            raise ValueError(f"the shared key prefix must be non-empty, without braces (it becomes the "
+                             f"keys' hash tag), got {prefix!r}")
         self.url = redact_url(url)  # for logs and messages: never the password
         self.prefix = prefix
         self.lease_ms = int(lease_ms)
@@ -205,16 +217,19 @@ class LeaseStore:
         self.timeout_s = timeout_s
         self.gate_id = os.urandom(6).hex()
         self._n = 0
-        common = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                      retry=Retry(NoBackoff(), 0), health_check_interval=0)
-        pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections,
-                                                        timeout=timeout_s, **common)
-        self.client = aioredis.Redis(connection_pool=pool)
-        # Pub/sub holds one connection open and reads with its own timeout (get_message).
-        self.sub_client = aioredis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=None,
-                                                  retry=Retry(NoBackoff(), 0))
-        self.channel = f"{prefix}:freed"
-        k = [f"{prefix}:{x}" for x in ("slots", "long", "q:0", "q:1", "q:2", "q:3", "wexp", "seq", "gates")]
+        self.client: Any = async_client(url, timeout_s=timeout_s, connect_timeout_s=timeout_s,
+                                        max_connections=max_connections + 4)  # + the pub/sub connection
+        self.cluster = is_cluster(self.client)
+        # Pub/sub holds one connection open and reads with its own timeout (get_message); on a
+        # cluster it is a connection of the cluster client's own (redis-py's cluster pub/sub).
+        self.sub_client: Any = self.client if self.cluster else async_client(
+            url, timeout_s=None, connect_timeout_s=timeout_s, max_connections=2)
+        self._slots = asyncio.Semaphore(max_connections)  # calls in flight (a cluster node does not queue them)
+        self.master: str | None = None  # the cluster node that answered for the fleet's slot last
+        self.moves = 0  # times that node changed (failover or migration)
+        tag = "{" + prefix + "}"
+        self.channel = f"{tag}:freed"
+        k = [f"{tag}:{x}" for x in ("slots", "long", "q:0", "q:1", "q:2", "q:3", "wexp", "seq", "gates")]
         self._keys = k
         self._acquire = self.client.register_script(_ACQUIRE)
         self._release = self.client.register_script(_RELEASE)
@@ -228,13 +243,31 @@ class LeaseStore:
     async def _call(self, script, keys: list[str], args: list):
         try:
             async with asyncio.timeout(self.timeout_s * 2):
-                return await script(keys=keys, args=args)
+                async with self._slots:
+                    out = await script(keys=keys, args=args)
         except (RedisConnectionError, OSError) as exc:
             # the pool's own wait for a free connection is slowness, not a dead Redis
             busy = isinstance(exc.__cause__, asyncio.TimeoutError)
             raise SharedDown(f"{type(exc).__name__}: {exc}"[:200], refused=not busy) from None
-        except (RedisError, TimeoutError) as exc:
+        except (RedisError, RedisClusterException, TimeoutError) as exc:
             raise SharedDown(f"{type(exc).__name__}: {exc}"[:200]) from None
+        if self.cluster:
+            try:
+                self._saw(self.client.get_node_from_key(self._keys[0]).name)
+            except (RedisClusterException, KeyError, AttributeError):
+                pass  # the slot map is being read again: the next call tells
+        return out
+
+    def _saw(self, master: str) -> None:
+        if self.master is not None and master != self.master:
+            self.moves += 1
+        self.master = master
+
+    async def subscriber(self) -> Any:
+        """A pub/sub object to subscribe to `channel` with (on a cluster, once the slot map is read)."""
+        if self.cluster:
+            await self.client.initialize()
+        return self.sub_client.pubsub()
 
     async def acquire(self, queue: int, is_long: bool, lease: str, *, queued: bool, max_concurrency: int,
                       max_long: int, max_queue: int) -> Acquired:
@@ -270,13 +303,17 @@ class LeaseStore:
                     for key in (self._keys[0], self._keys[1], *self._keys[2:6]):
                         p.zcard(key)
                     r = await p.execute()
-        except (RedisError, TimeoutError, OSError) as exc:
+        except (RedisError, RedisClusterException, TimeoutError, OSError) as exc:
             raise SharedDown(type(exc).__name__) from None
         return {"slots": r[0], "long": r[1], **{f"queued_{q}": n for q, n in zip(QUEUES, r[2:], strict=True)}}
 
     async def reset(self) -> None:
         """Drop every pooled connection: after Redis died, each of them would fail once more
-        (a restarted Redis closed them) and look like a new outage."""
+        (a restarted Redis closed them) and look like a new outage. A cluster client does
+        that itself: a failed connection has it drop the node's idle connections and read
+        the slot map again on its next call."""
+        if self.cluster:
+            return
         try:
             async with asyncio.timeout(self.timeout_s * 2):
                 await self.client.connection_pool.disconnect()
@@ -284,9 +321,9 @@ class LeaseStore:
             pass
 
     async def close(self) -> None:
-        for c in (self.client, self.sub_client):
+        for c in {id(c): c for c in (self.client, self.sub_client)}.values():
             try:
                 async with asyncio.timeout(1.0):
                     await c.aclose()
-            except (RedisError, TimeoutError, OSError):
+            except (RedisError, RedisClusterException, TimeoutError, OSError):
                 pass

@@ -97,7 +97,7 @@ class GateSettings:
     health_interval_s: float = 1.0  # each replica's /health probe and /metrics scrape
     eject_after: int = 3  # consecutive timeouts / 502 / 504 that eject a replica (refused: at once)
     # ---- limits shared with other gates through Redis ----
-    shared_state: str | None = None  # redis://host:port/db; None: limits are this process's own
+    shared_state: str | None = None  # redis://host:port/db or redis+cluster://...; None: this process's own
     shared_prefix: str = "tierguard:gate"  # key prefix: one per fleet of gates
     lease_ms: int = 5000  # a slot of a gate that stops renewing (killed) frees after this
     shared_timeout_ms: float = 100.0  # any Redis call slower than this counts as Redis down
@@ -126,8 +126,15 @@ class GateSettings:
                 or self.route_imbalance < 0:
             raise TierguardError(f"route_imbalance must be a whole number >= 0, got {self.route_imbalance!r}")
         if self.shared_state is not None:
-            if not str(self.shared_state).startswith(("redis://", "rediss://", "unix://")):
-                raise TierguardError(f"--shared-state must be a redis:// URL, got {redact_url(self.shared_state)!r}")
+            from tierguard.common.redis_client import parse_redis_url
+
+            try:
+                parse_redis_url(str(self.shared_state))
+            except ValueError as e:
+                raise TierguardError(f"--shared-state must be a redis:// URL: {e}") from None
+            if not self.shared_prefix or "{" in self.shared_prefix or "}" in self.shared_prefix:
+                raise TierguardError(f"--shared-prefix must be non-empty and without braces (it is the keys' "
+                                     f"hash tag), got {self.shared_prefix!r}")
             if self.lease_ms < 3 * self.shared_timeout_ms:
                 raise TierguardError(f"--lease-ms {self.lease_ms:g} is too short for --shared-timeout-ms "
                                      f"{self.shared_timeout_ms:g}: renewals every lease/3 must fit in a lease")

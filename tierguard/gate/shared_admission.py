@@ -37,7 +37,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from tierguard.gate.admission import AdmissionController, AdmissionStats, Rejected, RequestInfo, Ticket
 from tierguard.gate.leases import QUEUES, LeaseStore, SharedDown
@@ -46,6 +46,7 @@ from tierguard.gate.policy import AdmissionPolicy
 log = logging.getLogger("tierguard.gate")
 QUEUE_OF = {"interactive": 0, "long": 1, "batch": 2}
 SLOW_STRIKES = 3  # slow Redis answers in a row that count as Redis down (a refusal counts at once)
+RECOVERY_PROBE_S = 0.5  # while Redis is down, it is probed at least this often
 ASYNC_QUEUE = 3
 
 
@@ -68,6 +69,7 @@ class SharedCounters:
     readded: int = 0  # this gate's leases found gone at renewal and written back
     fallback_admissions: int = 0  # admitted by the local share while Redis was unreachable
     errors: int = 0  # Redis calls that failed or timed out
+    failovers: int = 0  # the fleet's slot found on another node while calls succeeded (taken as an outage)
     live_gates: int = 1
 
 
@@ -86,6 +88,9 @@ class SharedAdmission:
         self._first_strike = 0.0  # time.monotonic() of the first of them
         self._reached = False  # start() made its first call: later recoveries are logged
         self._expiry_due = math.inf  # time.monotonic() when the oldest known slot lease expires
+        self._down_since: float | None = None  # time.monotonic() when an outage after shared admission began
+        self._settle_until: float | None = None  # when Redis answers again: the local share until then
+        self._moves_seen = 0  # store.moves already handled
         self.counters = SharedCounters()
         self._waiters: list[OrderedDict[str, _Waiter]] = [OrderedDict() for _ in QUEUES]
         self._held: dict[str, bool] = {}  # lease -> is long; every slot this gate holds
@@ -316,10 +321,16 @@ class SharedAdmission:
 
     def _ok(self) -> None:
         self._strikes = 0
+        if self.store.moves != self._moves_seen:  # a failover, though this gate's calls never failed
+            self._moves_seen = self.store.moves
+            self.counters.failovers += 1
+            self._down(SharedDown(f"the fleet's slot is served by another node now ({self.store.master}); "
+                                  "the old master's last writes may be lost"))
 
     def _down(self, exc: Exception) -> None:
         if self.up:
             self.up = False
+            self._down_since = time.monotonic()
             log.warning("shared state %s unreachable (%s): admitting within the local share "
                         "(max_concurrency %d, max_long %d) until it answers", self.store.url, exc,
                         self.local.policy.max_concurrency, self.local.policy.max_long)
@@ -336,7 +347,7 @@ class SharedAdmission:
         resumes only after a renewal that wrote back every slot running here: a local grant made
         while the call was under way is in the next round, before anyone counts on Redis again."""
         recovering = not self.up
-        if recovering:
+        if recovering and self._settle_until is None:
             await self.store.reset()  # nothing else uses Redis while it is down: start clean
         written: set[str] = set()
         for _ in range(4 if recovering else 1):
@@ -345,12 +356,15 @@ class SharedAdmission:
                 r = await self.store.renew(list(held.items()))
             except SharedDown as exc:
                 self._failed(exc)
+                self._settle_until = None  # down again: the settling starts over at the next answer
                 return
             self._ok()
             written |= held.keys()
             self.counters.lease_expiries += r.reaped
             self.counters.readded += r.readded
-            self._set_share(r.live_gates)
+            # Out of shared admission, the share never grows: a new master may not yet hold
+            # every live gate's heartbeat (they write theirs back on their own next call).
+            self._set_share(max(r.live_gates, self.counters.live_gates) if recovering else r.live_gates)
             if self._held.keys() <= written:
                 break
         else:
@@ -358,6 +372,9 @@ class SharedAdmission:
         if recovering:
             for lease in written - self._held.keys():  # ended while the call was under way
                 self._spawn(self._free(lease))
+            if self._down_since is not None and not self._settled():
+                return
+            self._down_since = None
             self.up = True
             if not self._reached:  # the first call, from start(): GateState.create says it
                 return
@@ -365,10 +382,28 @@ class SharedAdmission:
                         "requests written back)", self.store.url, r.live_gates, len(written & self._held.keys()))
             self._kick.set()
 
+    def _settled(self) -> bool:
+        """After an outage (a failover included), shared admission resumes only once every
+        other live gate has written its leases back too, so that Redis counts what really
+        runs: each gate calls Redis at least every renewal period, so its first call after the
+        outage began failed by `_down_since` + one renewal period at the latest (the outage
+        began before this gate noticed it), and its next probe, one probe period later, wrote
+        its leases back if Redis answered by then. Until that moment this gate stays on its
+        local share (docs/fleet.md: the bound during a failover)."""
+        now = time.monotonic()
+        if self._settle_until is None:
+            renew = self.store.lease_ms / 3000
+            probe = min(renew, RECOVERY_PROBE_S)
+            self._settle_until = max(now, self._down_since + renew) + probe + 2 * self.store.timeout_s
+        if now < self._settle_until:
+            return False
+        self._settle_until = None
+        return True
+
     async def _renew_loop(self) -> None:
         period = self.store.lease_ms / 3000
         while not self._closing:
-            await asyncio.sleep(period if self.up else min(period, 0.5))
+            await asyncio.sleep(period if self.up else min(period, RECOVERY_PROBE_S))
             await self._renew_once()
 
     async def _touch_loop(self) -> None:
@@ -386,19 +421,21 @@ class SharedAdmission:
     async def _listen(self) -> None:
         """Wake the dispatcher when any gate frees a slot (pub/sub); reconnects after a failure."""
         while not self._closing:
-            pubsub = self.store.sub_client.pubsub()
+            pubsub = None
             try:
                 async with asyncio.timeout(self.store.timeout_s * 5):
+                    pubsub = await self.store.subscriber()
                     await pubsub.subscribe(self.store.channel)
                 while not self._closing:
                     if await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0) is not None:
                         self._kick.set()
-            except (RedisError, OSError, TimeoutError):
-                await asyncio.sleep(0.5)
+            except (RedisError, RedisClusterException, OSError, TimeoutError, KeyError):
+                await asyncio.sleep(0.5)  # KeyError: a cluster slot map read while the cluster changed
             finally:
-                with contextlib.suppress(RedisError, OSError, TimeoutError, RuntimeError):
-                    async with asyncio.timeout(self.store.timeout_s * 5):
-                        await pubsub.aclose()
+                with contextlib.suppress(RedisError, RedisClusterException, OSError, TimeoutError, RuntimeError):
+                    if pubsub is not None:
+                        async with asyncio.timeout(self.store.timeout_s * 5):
+                            await pubsub.aclose()
 
     async def _free(self, lease: str) -> None:
         try:

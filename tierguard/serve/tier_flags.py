@@ -30,9 +30,11 @@ def add_tier_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--kv-remote-url",
         default=None,
-        help="shared remote KV tier on Redis, redis://[[USER]:PASSWORD@]HOST:PORT[/DB] (rediss:// for TLS; "
-        "docs/fleet.md): full prefix blocks are written "
-        "behind the answer and read by every replica naming the same Redis (needs --kv-host-gib)",
+        help="shared remote KV tier on Redis, redis://[[USER]:PASSWORD@]HOST:PORT[/DB] (one node; rediss:// "
+        "for TLS) or redis+cluster://HOST:PORT[,HOST:PORT...] (a Redis Cluster, seeded by any of its nodes; "
+        "docs/fleet.md): full "
+        "prefix blocks are written behind the answer and read by every replica naming the same Redis "
+        "(needs --kv-host-gib)",
     )
     g.add_argument(
         "--kv-remote-ttl-s",
@@ -110,22 +112,17 @@ def remote_kwargs(args: argparse.Namespace, host_gib: float) -> dict:
 
 
 def check_redis_url(url: str, flag: str) -> None:
-    """redis://[[USER]:PASSWORD@]HOST:PORT[/DB][?OPTIONS] (or rediss:// for TLS, unix://PATH);
-    a one-line error otherwise."""
-    shown = redact_url(url)  # messages never carry the password
+    """redis://[[USER]:PASSWORD@]HOST:PORT[/DB][?OPTIONS] (or rediss:// for TLS, unix://PATH,
+    redis+cluster://HOST:PORT[,...]); a one-line error that never carries the password."""
+    from tierguard.common.redis_client import parse_redis_url
+
     try:
-        parts = urlsplit(url)
-        port, db = parts.port, parts.path.strip("/")
+        target = parse_redis_url(url)
     except ValueError as e:
-        raise TierguardError(f"{flag} {shown!r}: {e}") from None
-    if parts.scheme == "unix" and parts.path:
-        return
-    if parts.scheme not in ("redis", "rediss") or not parts.hostname:
-        raise TierguardError(f"{flag} must be redis://HOST:PORT[/DB], got {shown!r}")
-    if port is None:
-        raise TierguardError(f"{flag} {shown!r} names no port")
-    if db and not db.isdigit():
-        raise TierguardError(f"{flag} {shown!r}: the database must be a number, got {db!r}")
+        raise TierguardError(f"{flag} must be redis://HOST:PORT[/DB] or redis+cluster://HOST:PORT[,...]: {e}") \
+            from None
+    if not target.cluster and url.startswith("redis") and urlsplit(url).port is None:
+        raise TierguardError(f"{flag} {redact_url(url)!r} names no port")
 
 
 def tier_kwargs(args: argparse.Namespace) -> dict:

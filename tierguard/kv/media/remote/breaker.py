@@ -91,3 +91,33 @@ class CircuitBreaker:
                     self.opened += 1  # an outage began (a failed probe is the same outage)
                 self._state, self._probing = OPEN, False
                 self._reopen_at = self._clock() + self._open_s
+
+
+class BreakerSet:
+    """One `CircuitBreaker` per store node, all with the same settings, made on first use.
+
+    Why per node: in a Redis Cluster each master serves its own slots, so one that is
+    down or hung must open only its own breaker; the blocks on the other masters keep
+    their round trips. A node that left the cluster keeps its breaker (it is no longer
+    asked), so `opened` counts every outage seen."""
+
+    def __init__(self, **settings) -> None:
+        CircuitBreaker(**settings)  # the settings are checked once, here
+        self._settings = settings
+        self._lock = threading.Lock()
+        self._breakers: dict[str, CircuitBreaker] = {}
+
+    def __getitem__(self, node: str) -> CircuitBreaker:
+        with self._lock:
+            b = self._breakers.get(node)
+            if b is None:
+                b = self._breakers[node] = CircuitBreaker(**self._settings)
+            return b
+
+    def items(self) -> list[tuple[str, CircuitBreaker]]:
+        with self._lock:
+            return list(self._breakers.items())
+
+    @property
+    def opened(self) -> int:
+        return sum(b.opened for _, b in self.items())

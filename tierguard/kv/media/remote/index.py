@@ -14,8 +14,12 @@ Filled from two sources:
   only blocks that may still be alive, and a replica that starts later reads it whole.
 
 A block's local expiry is its write time plus the TTL (the key's own PX), so the index
-never claims a block Redis has already expired. When Redis restarts (a new `run_id`), the
-index is cleared and the journal read again from its start.
+never claims a block Redis has already expired. When the node holding the journal restarts
+(the same node with a new `run_id`: without persistence it came back empty), the index is
+cleared and the journal read again from its start. In a Redis Cluster the journal is one
+key, so it lives on one shard; when a replica takes that shard over (another node), the
+journal it holds is the one the index read, so nothing is cleared: an entry the failover
+lost only leaves its blocks unknown to the replicas that had not read it yet.
 
 Budget: used bytes = known blocks x stored block size; `make_room` picks the least
 recently used blocks to delete before a write would pass the budget (lru.py).
@@ -31,6 +35,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from tierguard.kv.lru import LRUPolicy
@@ -50,8 +55,10 @@ def unpack(raw: bytes | None) -> list[int]:
 class RemoteIndex:
     """Thread-safe. `refresh` talks to Redis (raises RedisError); everything else is local."""
 
-    def __init__(self, client: Any, journal_key: str, ttl_ms: int, stored_bytes: int) -> None:
-        self.client = client
+    def __init__(self, client: Callable[[], Any], journal_key: str, ttl_ms: int, stored_bytes: int,
+                 identity: Callable[[], tuple[str, str]]) -> None:
+        self._client = client  # gives the client to read the journal with (a Redis or a RedisCluster)
+        self.identity = identity  # (node, run id) of the journal's node
         self.journal_key = journal_key
         self.ttl_ms = ttl_ms
         self.stored_bytes = stored_bytes
@@ -63,7 +70,7 @@ class RemoteIndex:
         self._deleted: dict[int, float] = {}  # hash we deleted -> when the mark lapses
         self._deleted_queue: deque[tuple[float, int]] = deque()  # in lapse order
         self._cursor = "-"  # last journal id applied
-        self._run_id: str | None = None
+        self._run_id: tuple[str, str] | None = None  # (node, run id) of the journal's node
 
     def __len__(self) -> int:
         with self._lock:
@@ -150,26 +157,28 @@ class RemoteIndex:
 
     # ---- the journal ----
 
-    def announce(self, pipe: Any, puts: list[int], dels: list[int]) -> None:
-        """Queue one journal entry on `pipe` (trimming entries older than the TTL)."""
-        fields = {}
+    def announce(self, puts: list[int], dels: list[int]) -> list[tuple]:
+        """The commands of one journal entry (trimming entries older than the TTL), for the
+        pipeline of the journal's node; none when there is nothing to say."""
+        fields: list[Any] = []
         if puts:
-            fields["put"] = pack(puts)
+            fields += ["put", pack(puts)]
         if dels:
-            fields["del"] = pack(dels)
+            fields += ["del", pack(dels)]
         if not fields:
-            return
-        now_ms = int(time.time() * 1000)
-        pipe.xadd(self.journal_key, fields, minid=max(0, now_ms - self.ttl_ms), approximate=True)
-        pipe.pexpire(self.journal_key, 2 * self.ttl_ms)  # a fleet that stopped leaves nothing behind
+            return []
+        minid = max(0, int(time.time() * 1000) - self.ttl_ms)
+        return [("XADD", self.journal_key, "MINID", "~", minid, "*", *fields),
+                ("PEXPIRE", self.journal_key, 2 * self.ttl_ms)]  # a fleet that stopped leaves nothing behind
 
     def refresh(self) -> tuple[int, int, bool]:
         """Apply journal entries after the cursor: (blocks learned, blocks forgotten, reset)."""
         reset = False
         if self.check_identity:
-            run_id = str(self.client.info("server").get("run_id", ""))
+            run_id = self.identity()
             with self._lock:
-                if self._run_id is not None and run_id != self._run_id:
+                old = self._run_id
+                if old is not None and run_id[0] == old[0] and run_id[1] != old[1]:
                     self._expiry.clear()
                     self._lru = LRUPolicy()
                     self._queue.clear()
@@ -182,7 +191,7 @@ class RemoteIndex:
         while True:
             with self._lock:
                 lo = "-" if self._cursor == "-" else "(" + self._cursor
-            entries = self.client.xrange(self.journal_key, min=lo, max="+", count=PAGE) or []
+            entries = self._client().xrange(self.journal_key, min=lo, max="+", count=PAGE) or []
             now = time.time()
             with self._lock:
                 for entry_id, fields in entries:
