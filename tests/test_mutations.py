@@ -351,6 +351,20 @@ MUTANTS = [
         ("tests/model/test_bf16_kernels.py::test_fallback_builds_compute_the_same",),
         slow=True,
     ),
+    Mutant(
+        "slab: only ftruncated (a sparse file: SIGBUS mid-run where /dev/shm is small)",
+        "tierguard/integrations/vllm/shm.py",
+        "os.posix_fallocate(fd, 0, size)",
+        "os.ftruncate(fd, size)",
+        ("tests/integrations/test_vllm_shm.py::test_a_slab_is_allocated_whole_at_start_not_sparse",),
+    ),
+    Mutant(
+        "slab: a live lock holder's slab is reclaimed",
+        "tierguard/kv/media/disk/owner.py",
+        "yield try_lock(fd) and _same_file(fd, name, dir_fd)",
+        "yield _same_file(fd, name, dir_fd)",
+        ("tests/integrations/test_vllm_shm.py::test_a_live_owners_slab_is_never_removed_whatever_its_pid_says",),
+    ),
 ]
 FAST = [m for m in MUTANTS if not m.slow]
 
