@@ -365,6 +365,35 @@ MUTANTS = [
         "yield _same_file(fd, name, dir_fd)",
         ("tests/integrations/test_vllm_shm.py::test_a_live_owners_slab_is_never_removed_whatever_its_pid_says",),
     ),
+    Mutant(
+        "disk: a second server starts on a directory another live one holds",
+        "tierguard/kv/media/disk/owner.py",
+        "while not try_lock(fd):",
+        "while False:",
+        ("tests/kv/test_kv_disk_ownership.py::test_a_live_writers_directory_and_file_in_flight_are_never_touched",),
+    ),
+    Mutant(
+        "disk: purge removes a live server's temporary files",
+        "tierguard/kv/media/disk/purge.py",
+        "                if free:\n",
+        "                if True:\n",
+        ("tests/kv/test_kv_disk_ownership.py::test_a_live_servers_temporary_files_are_found_by_lock_not_name",),
+        slow=True,  # the lock itself has the mutant above
+    ),
+    Mutant(
+        "disk: writes are never re-enabled after disk full",
+        "tierguard/kv/media/disk/recovery.py",
+        "self.writes_enabled = self.healthy = True",
+        "pass",
+        ("tests/kv/test_kv_disk_recovery.py::test_writes_resume_after_a_probe_succeeds_counted",),
+    ),
+    Mutant(
+        "disk: old fingerprints' directories are not counted in the budget",
+        "tierguard/kv/media/disk/tier.py",
+        "self._used + self._old.bytes + self._reserved",
+        "self._used + self._reserved",
+        ("tests/kv/test_kv_disk_recovery.py::test_old_fingerprints_count_in_the_budget_and_go_oldest_first",),
+    ),
 ]
 FAST = [m for m in MUTANTS if not m.slow]
 
