@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.kv.pidns import pid_namespace_argv
 from tierguard.common.errors import TierguardError
 from tierguard.integrations.vllm import shm
 from tierguard.integrations.vllm.scheduler import TierScheduler
@@ -44,7 +45,8 @@ def test_a_slab_is_allocated_whole_at_start_not_sparse(tmp_path):
 
 
 def test_more_than_the_filesystem_has_free_is_one_line_error_at_start(tmp_path):
-    free, _total = shm.free_bytes(tmp_path)
+    st = os.statvfs(tmp_path)
+    free = st.f_bavail * st.f_frsize
     path = shm.slab_path(str(tmp_path), "e", os.getpid())
     rows = (free + (1 << 30)) // (1 << 20)
     with pytest.raises(TierguardError) as e:
@@ -62,12 +64,14 @@ def small_tmpfs(tmp_path):
     mnt.mkdir()
     if os.geteuid() != 0 or shutil.which("mount") is None:
         pytest.skip("needs root to mount a small tmpfs")
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)], capture_output=True).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)], capture_output=True
+    ).returncode:
         pytest.skip("cannot mount a small tmpfs here")
     try:
         yield mnt
     finally:
-        subprocess.run(["umount", str(mnt)], capture_output=True)
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)  # -l: even if a test left it busy
 
 
 def test_kv_host_gib_1_on_a_64_mib_shm_fails_at_start_in_one_line(tmp_path, small_tmpfs):
@@ -87,9 +91,11 @@ def test_a_slab_that_fits_the_free_space_but_not_the_tmpfs_is_refused_by_allocat
         f.write(bytes(40 << 20))
     path = shm.slab_path(str(small_tmpfs), "e", os.getpid())
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    with pytest.raises(TierguardError) as e:
-        shm._allocate_and_map(fd, path, 32, 1 << 20)  # 32 MiB > the 24 MiB left
-    os.close(fd)
+    try:
+        with pytest.raises(TierguardError) as e:
+            shm._allocate_and_map(fd, path, 32, 1 << 20)  # 32 MiB > the 24 MiB left
+    finally:
+        os.close(fd)
     assert "needs 32.0 MiB" in str(e.value) and not path.exists()
 
 
@@ -108,10 +114,10 @@ def test_an_overflowing_pid_in_a_name_is_left_alone_and_start_works(tmp_path):
 
 _HOLDER = textwrap.dedent(
     """
-    import sys
-    from pathlib import Path
+    import os, sys
     from tierguard.integrations.vllm import shm
-    path = shm.slab_path(sys.argv[1], "other-engine", int(sys.argv[2]))
+    pid = os.getpid() if sys.argv[2] == "self" else int(sys.argv[2])
+    path = shm.slab_path(sys.argv[1], "other-engine", pid)
     slab = shm.create_slab(path, 4, 4096)
     print(path, flush=True)
     sys.stdin.read()  # hold the slab until the test lets go
@@ -119,11 +125,13 @@ _HOLDER = textwrap.dedent(
 )
 
 
-def _hold_slab(directory: Path, pid_in_name: int) -> tuple[subprocess.Popen, Path]:
+def _hold_slab(
+    directory: Path, pid_in_name: int | str, prefix: list[str] | None = None
+) -> tuple[subprocess.Popen, Path]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     p = subprocess.Popen(
-        [sys.executable, "-c", _HOLDER, str(directory), str(pid_in_name)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+        [*(prefix or []), sys.executable, "-c", _HOLDER, str(directory), str(pid_in_name)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True,
     )  # fmt: skip
     return p, Path(p.stdout.readline().strip())
 
@@ -140,6 +148,22 @@ def test_a_live_owners_slab_is_never_removed_whatever_its_pid_says(tmp_path):
         sched = TierScheduler(config(tmp_path), FP, geometry().block_bytes, "e")  # starts beside it
         sched.close()
         assert path.exists()
+    finally:
+        holder.stdin.close()
+        holder.wait()
+
+
+def test_a_live_owner_in_another_pid_namespace_keeps_its_slab(tmp_path):
+    """A container sharing /dev/shm (--ipc=host): the owner names the slab with its own
+    pid, which this namespace does not have (root only)."""
+    ns = pid_namespace_argv()
+    if ns is None:
+        pytest.skip("needs root and unshare to make a PID namespace")
+    prefix, pid_inside = ns
+    holder, path = _hold_slab(tmp_path, "self", prefix)
+    try:
+        assert f"-{pid_inside}" in path.name
+        assert shm.remove_stale(str(tmp_path)) == 0 and path.exists()
     finally:
         holder.stdin.close()
         holder.wait()

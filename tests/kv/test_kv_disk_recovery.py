@@ -62,7 +62,9 @@ def test_writes_resume_after_a_probe_succeeds_counted(tmp_path, err):
 
 def test_an_error_streak_suspends_and_a_probe_resumes(tmp_path):
     faults = FaultInjector()
-    tier = DiskTier(tmp_path, FP, 1 << 20, faults=faults, max_consecutive_write_errors=3, probe_interval_s=0.01)
+    tier = DiskTier(
+        tmp_path, FP, 1 << 20, faults=faults, max_consecutive_write_errors=3, probe_interval_s=0.01
+    )
     try:
         faults.fail("disk.write", errno.EIO, times=3)
         for h in (1, 2, 3):
@@ -127,22 +129,27 @@ def test_a_real_full_filesystem_recovers_when_space_is_freed(tmp_path):
     mnt.mkdir()
     if os.geteuid() != 0 or shutil.which("mount") is None:
         pytest.skip("needs root to mount a small filesystem")
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True
+    ).returncode:
         pytest.skip("cannot mount a small filesystem here")
     try:
         filler = mnt / "filler"
         filler.write_bytes(bytes(200 << 10))
         tier = DiskTier(mnt, FP, 64 << 20, probe_interval_s=0.01, probe_max_interval_s=0.05)
-        assert not tier.write(1, payload(1, 60 << 10))
-        assert "disk full" in tier.stats().reason
-        wait_until(lambda: tier.stats().write_probe_failures >= 2, timeout=120)  # a block does not fit yet
-        assert not tier.stats().writes_enabled
-        filler.unlink()
-        wait_until(lambda: tier.stats().writes_reenabled == 1, timeout=120)
-        assert tier.write(1, payload(1, 60 << 10)) and tier.read(1) == bytes(payload(1, 60 << 10).numpy())
-        tier.close()
+        try:
+            assert not tier.write(1, payload(1, 60 << 10))
+            assert "disk full" in tier.stats().reason
+            # a block does not fit yet
+            wait_until(lambda: tier.stats().write_probe_failures >= 2, timeout=120)
+            assert not tier.stats().writes_enabled
+            filler.unlink()
+            wait_until(lambda: tier.stats().writes_reenabled == 1, timeout=120)
+            assert tier.write(1, payload(1, 60 << 10)) and tier.read(1) == bytes(payload(1, 60 << 10).numpy())
+        finally:
+            tier.close()
     finally:
-        subprocess.run(["umount", str(mnt)], capture_output=True)
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)  # -l: even if a test left it busy
 
 
 # ---- old fingerprints ----

@@ -124,7 +124,9 @@ def test_enospc_disables_writes_and_reports_health(tmp_path):
 
 def test_repeated_io_errors_disable_writes(tmp_path):
     faults = FaultInjector()
-    tier = DiskTier(tmp_path, FP, 1 << 20, faults=faults, max_consecutive_write_errors=3, probe_interval_s=3600)
+    tier = DiskTier(
+        tmp_path, FP, 1 << 20, faults=faults, max_consecutive_write_errors=3, probe_interval_s=3600
+    )
     faults.fail("disk.write", errno.EIO, times=2)
     assert not tier.write(1, payload(1, N)) and not tier.write(2, payload(2, N))
     assert tier.healthy  # two in a row: still trying
