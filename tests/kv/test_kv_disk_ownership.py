@@ -177,3 +177,40 @@ def test_a_live_servers_temporary_files_are_found_by_lock_not_name(tmp_path):
         tier.close()
     assert purge_dir(str(tmp_path), FP, None, dry_run=False).leftovers == 1
     assert not (tmp_path / FP / name).exists()
+
+
+def _read_only(path) -> bool:
+    if os.geteuid() != 0:
+        os.chmod(path, 0o500)
+        return True
+    import shutil
+
+    return shutil.which("chattr") is not None and not subprocess.run(["chattr", "+i", str(path)]).returncode
+
+
+def _writable(path) -> None:
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "-i", str(path)], capture_output=True)
+    os.chmod(path, 0o700)
+
+
+def test_a_read_only_volume_of_saved_blocks_still_serves_reads(tmp_path):
+    """No lock can be made where nothing can be written: the tier reads, removes nothing."""
+    tier = DiskTier(tmp_path, FP, 1 << 20)
+    assert tier.write(1, payload(1, N))
+    tier.close()
+    (tmp_path / LOCK_NAME).unlink()
+    leftover = tmp_path / FP / fmt.temp_name(2, 12345, 0)
+    leftover.write_bytes(b"x")
+    if not (_read_only(tmp_path / FP) and _read_only(tmp_path)):
+        _writable(tmp_path / FP)
+        pytest.skip("cannot make a directory read-only here")
+    try:
+        ro = DiskTier(tmp_path, FP, 1 << 20, lock_wait_s=0)
+        assert ro.read(1) == bytes(payload(1, N).numpy())
+        assert not ro.healthy and "reads only" in ro.reason and not ro.write(3, payload(3, N))
+        assert leftover.exists()  # not its to remove without the lock
+        ro.close()
+    finally:
+        _writable(tmp_path)
+        _writable(tmp_path / FP)

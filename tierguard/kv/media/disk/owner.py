@@ -122,9 +122,15 @@ def describe_holder(path: str) -> str:
 def hold_dir(root: str, fingerprint: str, wait_s: float) -> int:
     """Take `<root>/tierguard.lock` for this process's life: the descriptor (close it to let
     go). Raises DirInUse, naming the holder, if another process keeps it past `wait_s`;
-    OSError if the file cannot be opened or locked."""
+    OSError if the file cannot be opened or locked. In a directory this process may not
+    write, an existing lock file is still locked (read-only), without a record."""
     path = os.path.join(root, LOCK_NAME)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | _FLAGS, 0o600)
+    try:
+        fd, writable = os.open(path, os.O_RDWR | os.O_CREAT | _FLAGS, 0o600), True
+    except OSError as e:
+        if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+        fd, writable = os.open(path, os.O_RDONLY | _FLAGS), False  # FileNotFoundError: cannot lock
     try:
         deadline = time.monotonic() + max(0.0, wait_s)
         while not try_lock(fd):
@@ -134,8 +140,9 @@ def hold_dir(root: str, fingerprint: str, wait_s: float) -> int:
                     "one server per directory; give this one its own --kv-disk-dir (kv_disk_dir)"
                 )
             time.sleep(0.05)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, _record(fingerprint), 0)
+        if writable:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, _record(fingerprint), 0)
     except BaseException:
         os.close(fd)
         raise

@@ -170,10 +170,13 @@ class DiskTier(DiskUpkeep, WriteRecovery, ColdMedium):
         self._closed = threading.Event()
         self._dir_fd: int | None = None
         self._owner_fd: int | None = None
-        self._open_dir(lock_wait_s)
-        self._old = OldDirs(self.root if self._dir_fd is not None else None, fingerprint)
+        unlocked = self._open_dir(lock_wait_s)
+        self._old = OldDirs(self.root if self._owner_fd is not None else None, fingerprint)
         self._finalizer = weakref.finalize(self, _release, self._dir_fd, self._owner_fd, self._old)
-        if self._dir_fd is not None:
+        if self._dir_fd is not None and unlocked:
+            self._rebuild_index(remove=False)  # not ours to clean: reads only
+            self._disable(unlocked)
+        elif self._dir_fd is not None:
             self._rebuild_index()
             self._probe_writable()
             self._enforce_budget()
@@ -189,11 +192,19 @@ class DiskTier(DiskUpkeep, WriteRecovery, ColdMedium):
         self.writes_enabled = False
         self.reason = reason
 
-    def _open_dir(self, lock_wait_s: float) -> None:
+    def _open_dir(self, lock_wait_s: float) -> str:
+        """Open the directory and take the root's lock; "" or, when the root can be read but
+        not locked (a read-only volume of saved blocks), why the tier only reads."""
         path = os.path.join(self.root, self.fingerprint)
+        unlocked = ""
         try:
             os.makedirs(self.root, mode=0o700, exist_ok=True)
-            self._owner_fd = owner.hold_dir(self.root, self.fingerprint, lock_wait_s)
+            try:
+                self._owner_fd = owner.hold_dir(self.root, self.fingerprint, lock_wait_s)
+            except OSError as e:
+                if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT):
+                    raise
+                unlocked = f"cannot lock {self.root}/{owner.LOCK_NAME} ({e.strerror}); reads only"
             try:
                 os.mkdir(path, 0o700)
             except FileExistsError:
@@ -205,17 +216,20 @@ class DiskTier(DiskUpkeep, WriteRecovery, ColdMedium):
                 self._owner_fd = None
             reason = "symlinked tier directory refused" if e.errno in (errno.ELOOP, errno.ENOTDIR) else str(e)
             self._disable(f"cannot open {path}: {reason}")
+        return unlocked
 
-    def _rebuild_index(self) -> None:
+    def _rebuild_index(self, remove: bool = True) -> None:
         blocks, leftovers = fmt.scan_dir(self._dir_fd, self.fingerprint)
-        for name in leftovers:
-            self._unlink(name)
-        self._c["cleaned_on_start"] += len(leftovers)
+        if remove:
+            for name in leftovers:
+                self._unlink(name)
+            self._c["cleaned_on_start"] += len(leftovers)
         encrypting = self.codec.codec_id != blk.IDENTITY_CODEC
         for f in blocks:  # oldest first: the LRU order survives a restart
             if encrypting and f.header.codec == blk.IDENTITY_CODEC:
-                self._unlink(fmt.block_name(f.block_hash))  # encryption is on: no plaintext stays
-                self._c["plaintext_removed"] += 1
+                if remove:
+                    self._unlink(fmt.block_name(f.block_hash))  # encryption is on: no plaintext stays
+                    self._c["plaintext_removed"] += 1
                 continue
             self._index[f.block_hash] = f.size
             self._lru.insert(f.block_hash)
