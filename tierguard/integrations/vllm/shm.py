@@ -82,7 +82,7 @@ def remove_stale(directory: str) -> int:
 
 
 def _size(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+    return f"{n / 2**30:.1f} GiB" if n >= 1000 * 2**20 else f"{n / 2**20:.1f} MiB"  # 1 GiB of whole rows: 1.0 GiB
 
 
 def free_bytes(directory: str | os.PathLike[str]) -> tuple[int, int] | None:
