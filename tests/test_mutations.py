@@ -540,9 +540,10 @@ MUTANTS = [
     Mutant(
         "kv purge: a live writer's temporary file removed",
         "tierguard/kv/media/disk/purge.py",
-        "if temp and not fmt.pid_alive(int(temp.group(2))):",
-        "if temp:",
-        ("tests/kv/test_kv_purge_live_writer.py::test_purge_leaves_a_live_writers_temporary_file_and_removes_a_dead_ones",),
+        "                if free:\n",
+        "                if True:\n",
+        ("tests/kv/test_kv_purge_live_writer.py::test_purge_leaves_a_live_writers_temporary_file_and_removes_a_dead_ones",
+         "tests/kv/test_kv_disk_ownership.py::test_a_live_servers_temporary_files_are_found_by_lock_not_name"),
     ),
     Mutant(
         "gate: Retry-After a constant, not an estimate of the wait",
@@ -732,6 +733,41 @@ MUTANTS = [
         "if False:",
         (CLUSTER_FAILOVER,),
         because="shared admission resumed before the other gates wrote their leases back",
+    ),
+    Mutant(
+        "slab: only ftruncated (a sparse file: SIGBUS mid-run where /dev/shm is small)",
+        "tierguard/integrations/vllm/shm.py",
+        "os.posix_fallocate(fd, 0, size)",
+        "os.ftruncate(fd, size)",
+        ("tests/integrations/test_vllm_shm.py::test_a_slab_is_allocated_whole_at_start_not_sparse",),
+    ),
+    Mutant(
+        "slab: a live lock holder's slab is reclaimed",
+        "tierguard/kv/media/disk/owner.py",
+        "yield try_lock(fd) and _same_file(fd, name, dir_fd)",
+        "yield _same_file(fd, name, dir_fd)",
+        ("tests/integrations/test_vllm_shm.py::test_a_live_owners_slab_is_never_removed_whatever_its_pid_says",),
+    ),
+    Mutant(
+        "disk: a second server starts on a directory another live one holds",
+        "tierguard/kv/media/disk/owner.py",
+        "while not try_lock(fd):",
+        "while False:",
+        ("tests/kv/test_kv_disk_ownership.py::test_a_live_writers_directory_and_file_in_flight_are_never_touched",),
+    ),
+    Mutant(
+        "disk: writes are never re-enabled after disk full",
+        "tierguard/kv/media/disk/recovery.py",
+        "self.writes_enabled = self.healthy = True",
+        "pass",
+        ("tests/kv/test_kv_disk_recovery.py::test_writes_resume_after_a_probe_succeeds_counted",),
+    ),
+    Mutant(
+        "disk: old fingerprints' directories are not counted in the budget",
+        "tierguard/kv/media/disk/tier.py",
+        "self._used + self._old.bytes + self._reserved",
+        "self._used + self._reserved",
+        ("tests/kv/test_kv_disk_recovery.py::test_old_fingerprints_count_in_the_budget_and_go_oldest_first",),
     ),
 ]
 FAST = [m for m in MUTANTS if not m.slow]

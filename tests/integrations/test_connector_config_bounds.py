@@ -21,7 +21,7 @@ FLOATS = ("kv_host_gib", "kv_disk_gib", "kv_disk_ttl_s", "kv_remote_ttl_s", "kv_
 @pytest.mark.parametrize("name", FLOATS)
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf", float("nan"), float("inf")])
 def test_nan_and_inf_are_refused_by_name(name, value):
-    options = {name: value, "kv_disk_dir": "/tmp/unused", "kv_disk_gib": 1, "kv_remote_url": "redis://h:1/0"}
+    options = {"kv_disk_dir": "/tmp/unused", "kv_disk_gib": 1, "kv_remote_url": "redis://h:1/0", name: value}
     with pytest.raises(TierguardError) as e:
         parse_config(options)
     assert str(e.value).startswith(f"{name} must be a finite number"), e.value

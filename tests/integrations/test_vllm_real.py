@@ -109,7 +109,7 @@ def cluster(vllm_ready, tmp_path_factory, request):
     n.stop()
     a.stop()
     # Corrupt every block file of one prompt before the restart: one flipped payload byte.
-    fp_dir = next(d1.iterdir())
+    fp_dir = next(d for d in d1.iterdir() if d.is_dir())  # beside it: the lock file
     corrupt = _corrupt_prompt_files(fp_dir, prompts["corrupt"])
     fault_file = tmp / "faults.json"
     a2 = VllmServer("A2", model, logs, connector(d1, ports["a2"], fault_file))

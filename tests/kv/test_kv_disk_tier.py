@@ -10,6 +10,7 @@ import pytest
 
 from tierguard.kv.faults import FaultInjector
 from tierguard.kv.guard import ColdContractViolation, decode_guard
+from tierguard.kv.media.block_format import IDENTITY
 from tierguard.kv.media.disk import format as fmt
 from tierguard.kv.media.disk.tier import DiskTier
 
@@ -69,6 +70,7 @@ def test_lower_budget_on_restart_trims_oldest(tmp_path):
     for h in range(6):
         tier.write(h, payload(h, N))
         os.utime(block_path(tmp_path, h), (1000 + h, 1000 + h))
+    tier.close()
     small = DiskTier(tmp_path, FP, 2 * (N + fmt.HEADER_LEN))
     assert [small.contains(h) for h in range(6)] == [False] * 4 + [True] * 2
 
@@ -93,6 +95,7 @@ def test_torn_or_truncated_files_are_dropped_on_start(tmp_path):
     os.truncate(block_path(tmp_path, 1), fmt.HEADER_LEN + 10)
     with open(block_path(tmp_path, 2), "r+b") as f:
         f.write(b"XXXX")
+    tier.close()
     again = DiskTier(tmp_path, FP, 1 << 20)
     assert [again.contains(h) for h in (1, 2, 3)] == [False, False, True]
     assert again.stats().cleaned_on_start == 2
@@ -107,7 +110,7 @@ def test_block_larger_than_budget_is_rejected_not_an_error(tmp_path):
 
 def test_enospc_disables_writes_and_reports_health(tmp_path):
     faults = FaultInjector()
-    tier = DiskTier(tmp_path, FP, 1 << 20, faults=faults)
+    tier = DiskTier(tmp_path, FP, 1 << 20, faults=faults, probe_interval_s=3600)  # no probe yet
     assert tier.write(1, payload(1, N))
     faults.fail("disk.write", errno.ENOSPC)
     assert not tier.write(2, payload(2, N))
@@ -121,7 +124,9 @@ def test_enospc_disables_writes_and_reports_health(tmp_path):
 
 def test_repeated_io_errors_disable_writes(tmp_path):
     faults = FaultInjector()
-    tier = DiskTier(tmp_path, FP, 1 << 20, faults=faults, max_consecutive_write_errors=3)
+    tier = DiskTier(
+        tmp_path, FP, 1 << 20, faults=faults, max_consecutive_write_errors=3, probe_interval_s=3600
+    )
     faults.fail("disk.write", errno.EIO, times=2)
     assert not tier.write(1, payload(1, N)) and not tier.write(2, payload(2, N))
     assert tier.healthy  # two in a row: still trying
@@ -194,9 +199,9 @@ def test_symlinked_block_file_is_ignored(tmp_path):
     secret.write_bytes(b"s" * 100)
     tier = DiskTier(tmp_path / "root", FP, 1 << 20)
     os.symlink(secret, tmp_path / "root" / FP / fmt.block_name(7))
+    tier.close()
     again = DiskTier(tmp_path / "root", FP, 1 << 20)
     assert not again.contains(7) and secret.read_bytes() == b"s" * 100
-    tier.close()
 
 
 def test_decode_guard_refuses_disk_reads(tmp_path):
@@ -234,7 +239,7 @@ def test_real_full_filesystem_ends_in_misses_and_disabled_writes(tmp_path):
     ).returncode:
         pytest.skip("cannot mount a small filesystem here")
     try:
-        tier = DiskTier(mnt, FP, 64 << 20)  # the budget is larger than the filesystem
+        tier = DiskTier(mnt, FP, 64 << 20, probe_interval_s=3600)  # the budget is larger than the filesystem
         results = [tier.write(h, payload(h, 60 << 10)) for h in range(1, 10)]
         assert results[0] and not all(results)
         s = tier.stats()
@@ -300,8 +305,10 @@ def test_a_codec_wraps_the_stored_bytes_and_an_undecodable_block_is_a_kept_miss(
     raw = open(block_path(tmp_path, 3), "rb").read()
     assert len(raw) == fmt.HEADER_LEN + N + 8 and bytes(data.numpy()) not in raw
     assert DiskTier(tmp_path, FP, 1 << 20, codec=XorCodec(0x5A)).read(3) == bytes(data.numpy())
-    for reader in (DiskTier(tmp_path, FP, 1 << 20), DiskTier(tmp_path, FP, 1 << 20, codec=XorCodec(0x11))):
+    for codec in (IDENTITY, XorCodec(0x11)):
+        reader = DiskTier(tmp_path, FP, 1 << 20, codec=codec)
         assert reader.read(3) is None  # another codec or key: a miss, never an error
         s = reader.stats()
         assert s.undecodable == 1 and s.corrupt == 0
         assert os.path.exists(block_path(tmp_path, 3))  # kept for a reader with the right key
+        reader.close()  # one tier per directory at a time

@@ -1,7 +1,7 @@
 """`tierguard kv purge` leaves a live writer's temporary files alone and removes a dead
 writer's. The writers are real processes with a real `DiskTier`, each stopped in the
-middle of writing a block (its temporary file on disk, not yet renamed): one is still
-running when purge runs, the other was SIGKILLed first. Behaviour only, whatever tells a
+middle of writing a block (its temporary file on disk, not yet renamed): one was SIGKILLed
+before purge runs, the other is still running when purge runs. Behaviour only, whatever tells a
 live writer from a dead one."""
 
 from __future__ import annotations
@@ -60,16 +60,18 @@ def purge(root: Path, capsys) -> None:
 
 
 def test_purge_leaves_a_live_writers_temporary_file_and_removes_a_dead_ones(tmp_path, capsys):
-    procs = [live := writer(tmp_path, 1)]
+    procs = [dead := writer(tmp_path, 2)]
     try:
-        (live_temp,) = temps(tmp_path)
-        procs.append(dead := writer(tmp_path, 2))
-        (dead_temp,) = temps(tmp_path) - {live_temp}
+        (dead_temp,) = temps(tmp_path)
         dead.send_signal(signal.SIGKILL)
         dead.wait(30)
-
         purge(tmp_path, capsys)
-        assert temps(tmp_path) == {live_temp}  # the dead writer's is gone, the live one's kept
+        assert temps(tmp_path) == set()  # a dead writer's temporary file is a leftover: removed
+
+        procs.append(live := writer(tmp_path, 1))  # one server per directory: it starts once the dead one is gone
+        (live_temp,) = temps(tmp_path)
+        purge(tmp_path, capsys)
+        assert temps(tmp_path) == {live_temp}  # the live writer's is kept
         purge(tmp_path, capsys)  # and again: a live writer's file is never a leftover
         assert temps(tmp_path) == {live_temp}
 

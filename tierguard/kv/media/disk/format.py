@@ -2,8 +2,10 @@
 
 `<root>/<fingerprint>/<hash:016x>.kvb` holds one block in the medium-neutral format of
 tierguard/kv/media/block_format.py (64-byte header, then the stored bytes). Temporary files are
-`.tmp-<hash:016x>-<pid>-<seq>`; a dead writer's pid marks them as leftovers of a kill -9
-that the next start removes.
+`.tmp-<hash:016x>-<pid>-<seq>`. Only the holder of the directory's lock (owner.py) writes
+under it, so a temporary file found by the next holder is a leftover of a kill -9, whatever
+the pid in its name says (pids repeat and mean nothing across PID namespaces); the pid is
+for people, and a name whose pid or sequence is out of range is not one of ours.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tierguard.kv.media.block_format import HEADER_LEN, U64_MAX, BadHeader, Header, decode_header
+from tierguard.kv.media.disk.owner import parse_pid
 
 if TYPE_CHECKING:
     import torch
@@ -24,6 +27,7 @@ __all__ = [
     "OPEN_FLAGS",
     "block_name",
     "temp_name",
+    "is_temp_name",
     "as_buffer",
     "read_all",
     "scan_dir",
@@ -33,7 +37,7 @@ __all__ = [
 OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC  # never follow a symlink planted in the tier directory
 
 BLOCK_RE = re.compile(r"^([0-9a-f]{16})\.kvb$")
-TEMP_RE = re.compile(r"^\.tmp-([0-9a-f]{16})-(\d+)-(\d+)$")
+TEMP_RE = re.compile(r"^\.tmp-([0-9a-f]{16})-([0-9]{1,7})-([0-9]{1,19})$")
 
 
 def block_name(block_hash: int) -> str:
@@ -62,14 +66,10 @@ def touch(fd: int) -> None:
         pass  # only the clock of the TTL; the block itself is fine
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def is_temp_name(name: str) -> bool:
+    """A temporary file name this tier writes (pid and sequence within their bounds)."""
+    m = TEMP_RE.match(name)
+    return bool(m) and parse_pid(m.group(2)) is not None and int(m.group(3)) <= U64_MAX
 
 
 def read_all(fd: int, head: memoryview, dst: memoryview) -> bool:
@@ -122,16 +122,16 @@ def validate_file(dir_fd: int, name: str, fingerprint: str, block_hash: int) -> 
 def scan_dir(dir_fd: int, fingerprint: str) -> tuple[list[BlockFile], list[str]]:
     """Scan a tier directory: (intact blocks oldest first, names to remove).
 
-    To remove: temporary files whose writer is dead (a kill -9 mid-write) and block files
-    with a torn, foreign or truncated header. Names that are not ours and symlinks are
-    neither listed nor removed.
+    The caller holds the directory's lock, so no writer of the temporary files is alive.
+    To remove: those temporary files (a kill -9 mid-write) and block files with a torn,
+    foreign or truncated header. Names that are not ours and symlinks are neither listed
+    nor removed.
     """
     found: list[BlockFile] = []
     leftovers: list[str] = []
     for entry in os.scandir(dir_fd):
-        temp = TEMP_RE.match(entry.name)
-        if temp:
-            if not pid_alive(int(temp.group(2))):
+        if is_temp_name(entry.name):
+            if entry.is_file(follow_symlinks=False):
                 leftovers.append(entry.name)
             continue
         m = BLOCK_RE.match(entry.name)

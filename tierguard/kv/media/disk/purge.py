@@ -10,6 +10,10 @@ a model retired, a data-residency request. The rules it keeps:
   writers. Anything else (other names, torn or foreign files, symlinks, other
   directories) is left alone and counted, so pointing it at the wrong directory deletes
   nothing.
+- A writer is alive while a server holds `DIR/tierguard.lock` (owner.py), in whatever
+  PID namespace; the pid in a temporary file's name is not consulted. While one does, no
+  temporary file is touched (counted as in flight); otherwise purge removes them holding
+  that lock, so a server starting meanwhile waits for it instead of writing beside it.
 - "Older than" means not written or read for that long: a server touches a block's mtime
   on every read hit, the same clock as its own TTL sweeper.
 - Safe while a server runs: a block removed under it is a miss (recomputed), and the
@@ -28,6 +32,7 @@ from dataclasses import dataclass
 from tierguard.common.errors import TierguardError
 from tierguard.kv.media.block_format import is_fingerprint
 from tierguard.kv.media.disk import format as fmt
+from tierguard.kv.media.disk import owner
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | fmt.OPEN_FLAGS
 
@@ -41,6 +46,7 @@ class PurgeReport:
     removed_bytes: int = 0
     kept: int = 0  # intact blocks newer than the cut-off
     leftovers: int = 0  # dead writers' temporary files removed
+    in_flight: int = 0  # temporary files of a live server, left alone
     left_alone: int = 0  # names the tier did not write, torn or foreign files, symlinks
 
     def line(self, dry_run: bool, older_than: str | None) -> str:
@@ -49,6 +55,8 @@ class PurgeReport:
         if self.leftovers:
             what += f" and {self.leftovers} temporary files"
         rest = [f"kept {self.kept} used within {older_than}"] if older_than else []
+        if self.in_flight:
+            rest.append(f"left {self.in_flight} temporary files of the running server alone")
         if self.left_alone:
             rest.append(
                 f"left {self.left_alone} other {'entry' if self.left_alone == 1 else 'entries'} alone"
@@ -86,20 +94,19 @@ def purge_dir(
     report = PurgeReport(path)
     cutoff = None if older_than_s is None else (time.time() if now is None else now) - older_than_s
     dir_fd = os.open(path, _DIR_FLAGS)
+    temps: list[str] = []
     try:
         for entry in os.scandir(dir_fd):
             if not entry.is_file(follow_symlinks=False):
                 report.left_alone += 1
                 continue
-            temp = fmt.TEMP_RE.match(entry.name)
-            if temp and not fmt.pid_alive(int(temp.group(2))):
-                report.leftovers += 1
-                _remove(dir_fd, entry.name, dry_run)
+            if fmt.is_temp_name(entry.name):
+                temps.append(entry.name)
                 continue
             m = fmt.BLOCK_RE.match(entry.name)
             header = m and fmt.validate_file(dir_fd, entry.name, fingerprint, int(m.group(1), 16))
             if not header:
-                report.left_alone += 1  # includes live writers' temporary files
+                report.left_alone += 1  # includes names out of range for a temporary file
                 continue
             st = entry.stat(follow_symlinks=False)
             if cutoff is not None and st.st_mtime >= cutoff:
@@ -108,6 +115,14 @@ def purge_dir(
             report.removed += 1
             report.removed_bytes += st.st_size
             _remove(dir_fd, entry.name, dry_run)
+        if temps:
+            with owner.dir_free(root) as free:  # held while removing: no server starts meanwhile
+                if free:
+                    report.leftovers = len(temps)
+                    for name in temps:
+                        _remove(dir_fd, name, dry_run)
+                else:
+                    report.in_flight = len(temps)
     finally:
         os.close(dir_fd)
     return report

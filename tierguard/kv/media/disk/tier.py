@@ -9,13 +9,21 @@ What it promises (the cold contract's disk half):
   the codec cannot decode, disk full or any I/O error returns False and is counted; only
   `ColdContractViolation` (a read from inside a decode step, a programming error) is
   raised, after it is counted in `reads_in_decode`.
-- Disk full (ENOSPC) or `max_consecutive_write_errors` failures in a row disable writes;
-  `healthy` turns False with a `reason`; reads of existing blocks keep working.
+- Disk full, a directory not writable, or `max_consecutive_write_errors` failures in a
+  row suspend writes (`healthy` False, with a `reason`; reads of existing blocks keep
+  working) until a probe on the tier's own thread succeeds (recovery.py).
+- One server per root: the tier holds `<root>/tierguard.lock` (an flock, owner.py) from
+  start to `close`. A second tier on the same root, in any process or PID namespace,
+  waits `lock_wait_s` for it (a predecessor still closing) and then fails with
+  `DirInUse` (a TierguardError naming the holder), so two servers never delete each
+  other's files in flight nor fill the directory past one budget.
 - The index is rebuilt on start by scanning the directory, so saved prefixes survive a
-  restart; leftovers of a killed writer and unreadable files are removed then.
-- Budget: when a write would exceed `capacity_bytes`, the least recently used blocks of
-  this fingerprint are removed first. Other fingerprints' subdirectories are never touched
-  (they may belong to another running server).
+  restart; temporary files (their writer is gone: the lock says so) and unreadable files
+  are removed then.
+- Budget: `capacity_bytes` covers this fingerprint's blocks and the files of other
+  fingerprints' directories under the root (old models', old_dirs.py). When a write
+  would pass it, old fingerprints' files go first, oldest first, then the least recently
+  used blocks of this fingerprint.
 - Time to live (`ttl_s`, `--kv-disk-ttl-s`): a sweeper thread removes blocks not written
   or read for that long (`expired`). A read hit touches the file's mtime, so the clock
   survives a restart and `tierguard kv purge --older-than` reads the same clock.
@@ -42,6 +50,7 @@ import itertools
 import os
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +62,9 @@ from tierguard.kv.lru import EvictionPolicy, LRUPolicy
 from tierguard.kv.media import Buffer, ColdMedium, KeyedBlocks, MediumContext, register_medium
 from tierguard.kv.media import block_format as blk
 from tierguard.kv.media.disk import format as fmt
+from tierguard.kv.media.disk import owner
+from tierguard.kv.media.disk.old_dirs import OldDirs, OldFile
+from tierguard.kv.media.disk.recovery import WriteRecovery, stop_prober, suspend_reason
 from tierguard.kv.media.disk.upkeep import DiskUpkeep, Sweeper, sweep_interval
 from tierguard.kv.spec import is_fingerprint
 
@@ -60,6 +72,7 @@ _OPEN_FLAGS = fmt.OPEN_FLAGS
 _COUNTERS = (
     "hits misses writes write_bytes read_bytes corrupt undecodable io_errors write_errors evictions "
     "rejected_writes reads_in_decode cleaned_on_start expired resealed plaintext_removed"
+    " writes_disabled writes_reenabled write_probes write_probe_failures old_fingerprint_removed"
 ).split()
 
 
@@ -91,12 +104,19 @@ class DiskTierStats:
     plaintext_removed: int = counter("Unencrypted block files removed at start (encryption is on).")
     undecodable_blocks: int = gauge("Block files kept that no configured key opens.")
     old_key_blocks: int = gauge("Block files sealed with an old key, waiting to be resealed.")
+    writes_disabled: int = counter("Times writes were suspended (disk full, not writable, an error streak).")
+    writes_reenabled: int = counter("Times writes resumed after a probe write succeeded.")
+    write_probes: int = counter("Probe writes tried while writes were suspended.")
+    write_probe_failures: int = counter("Probe writes that failed (writes stayed suspended).")
+    old_fingerprint_bytes: int = gauge("Bytes of old fingerprints' directories, counted in the budget.")
+    old_fingerprint_dirs: int = gauge("Old fingerprints' directories under the tier's root.")
+    old_fingerprint_removed: int = counter("Files of old fingerprints removed to stay within the budget.")
     healthy: bool = gauge("1 while the disk tier is healthy.", default=True)
     writes_enabled: bool = True
     reason: str = ""
 
 
-class DiskTier(DiskUpkeep, ColdMedium):
+class DiskTier(DiskUpkeep, WriteRecovery, ColdMedium):
     name = "disk"
     spec = DiskBlocks
 
@@ -112,7 +132,13 @@ class DiskTier(DiskUpkeep, ColdMedium):
         max_consecutive_write_errors: int = 3,
         ttl_s: float = 0.0,
         sweep_interval_s: float | None = None,
+        probe_interval_s: float = 1.0,
+        probe_max_interval_s: float = 60.0,
+        lock_wait_s: float = 15.0,
     ) -> None:
+        """Open (or create) `<root>/<fingerprint>/`, take the root's lock, rebuild the index.
+        Raises `owner.DirInUse` if another live process holds the root; every other problem
+        leaves the tier unhealthy with a `reason`, never an exception."""
         if not is_fingerprint(fingerprint):
             raise ValueError(f"fingerprint must be 16 lowercase hex chars, got {fingerprint!r}")
         self.root = os.path.realpath(os.fspath(root))
@@ -136,9 +162,21 @@ class DiskTier(DiskUpkeep, ColdMedium):
         self._touched: dict[int, float] = {}  # hash -> wall-clock time of the last write or read hit
         self._undecodable: set[int] = set()  # kept, never read again, never overwritten
         self._old_key: set[int] = set()  # readable, sealed with an old key: to reseal
+        self.probe_interval_s = float(probe_interval_s)
+        self.probe_max_interval_s = max(self.probe_interval_s, float(probe_max_interval_s))
+        self._probe_wait = self.probe_interval_s
+        self._probe_bytes = 0  # the size of the last write that failed: what a probe writes
+        self._prober: threading.Thread | None = None
+        self._closed = threading.Event()
         self._dir_fd: int | None = None
-        self._open_dir()
-        if self._dir_fd is not None:
+        self._owner_fd: int | None = None
+        unlocked = self._open_dir(lock_wait_s)
+        self._old = OldDirs(self.root if self._owner_fd is not None else None, fingerprint)
+        self._finalizer = weakref.finalize(self, _release, self._dir_fd, self._owner_fd, self._old)
+        if self._dir_fd is not None and unlocked:
+            self._rebuild_index(remove=False)  # not ours to clean: reads only
+            self._disable(unlocked)
+        elif self._dir_fd is not None:
             self._rebuild_index()
             self._probe_writable()
             self._enforce_budget()
@@ -154,29 +192,44 @@ class DiskTier(DiskUpkeep, ColdMedium):
         self.writes_enabled = False
         self.reason = reason
 
-    def _open_dir(self) -> None:
+    def _open_dir(self, lock_wait_s: float) -> str:
+        """Open the directory and take the root's lock; "" or, when the root can be read but
+        not locked (a read-only volume of saved blocks), why the tier only reads."""
         path = os.path.join(self.root, self.fingerprint)
+        unlocked = ""
         try:
             os.makedirs(self.root, mode=0o700, exist_ok=True)
+            try:
+                self._owner_fd = owner.hold_dir(self.root, self.fingerprint, lock_wait_s)
+            except OSError as e:
+                if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT):
+                    raise
+                unlocked = f"cannot lock {self.root}/{owner.LOCK_NAME} ({e.strerror}); reads only"
             try:
                 os.mkdir(path, 0o700)
             except FileExistsError:
                 pass
             self._dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _OPEN_FLAGS)
         except OSError as e:
+            if self._owner_fd is not None:
+                os.close(self._owner_fd)
+                self._owner_fd = None
             reason = "symlinked tier directory refused" if e.errno in (errno.ELOOP, errno.ENOTDIR) else str(e)
             self._disable(f"cannot open {path}: {reason}")
+        return unlocked
 
-    def _rebuild_index(self) -> None:
+    def _rebuild_index(self, remove: bool = True) -> None:
         blocks, leftovers = fmt.scan_dir(self._dir_fd, self.fingerprint)
-        for name in leftovers:
-            self._unlink(name)
-        self._c["cleaned_on_start"] += len(leftovers)
+        if remove:
+            for name in leftovers:
+                self._unlink(name)
+            self._c["cleaned_on_start"] += len(leftovers)
         encrypting = self.codec.codec_id != blk.IDENTITY_CODEC
         for f in blocks:  # oldest first: the LRU order survives a restart
             if encrypting and f.header.codec == blk.IDENTITY_CODEC:
-                self._unlink(fmt.block_name(f.block_hash))  # encryption is on: no plaintext stays
-                self._c["plaintext_removed"] += 1
+                if remove:
+                    self._unlink(fmt.block_name(f.block_hash))  # encryption is on: no plaintext stays
+                    self._c["plaintext_removed"] += 1
                 continue
             self._index[f.block_hash] = f.size
             self._lru.insert(f.block_hash)
@@ -192,13 +245,13 @@ class DiskTier(DiskUpkeep, ColdMedium):
             os.close(fd)
             os.unlink(name, dir_fd=self._dir_fd)
         except OSError as e:
-            self._disable(f"directory not writable: {e.strerror or e}")
+            with self._lock:
+                self._suspend_locked(f"directory not writable ({e.strerror or e})")
 
     def _enforce_budget(self) -> None:
         with self._lock:
             victims = self._evict_locked(0)
-        for h in victims:
-            self._unlink(fmt.block_name(h))
+        self._drop(victims)
 
     # ---- queries ----
 
@@ -247,8 +300,7 @@ class DiskTier(DiskUpkeep, ColdMedium):
                 return True  # same (fingerprint, hash) means same bytes
             victims = self._evict_locked(size)
             self._reserved += size
-        for h in victims:
-            self._unlink(fmt.block_name(h))
+        self._drop(victims)
         try:
             self._store_file(block_hash, payload)
         except OSError as e:
@@ -263,6 +315,7 @@ class DiskTier(DiskUpkeep, ColdMedium):
             self._lru.insert(block_hash)
             self._touched[block_hash] = time.time()
             self._consecutive_write_errors = 0
+            self._probe_wait = self.probe_interval_s  # writes work: the next suspension probes soon
             self._c["writes"] += 1
             self._c["write_bytes"] += size
         return True
@@ -297,26 +350,35 @@ class DiskTier(DiskUpkeep, ColdMedium):
             self._reserved -= size
             self._c["write_errors"] += 1
             self._consecutive_write_errors += 1
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                self._disable(f"disk full ({e.strerror}); writes disabled")
-            elif e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-                self._disable(f"directory not writable ({e.strerror}); writes disabled")
-            elif self._consecutive_write_errors >= self.max_consecutive_write_errors:
-                self._disable(
-                    f"{self._consecutive_write_errors} consecutive write errors, last: {e.strerror}"
-                )
+            self._probe_bytes = size
+            why = suspend_reason(e, self._consecutive_write_errors, self.max_consecutive_write_errors)
+            if why is not None:
+                self._suspend_locked(why)
 
-    def _evict_locked(self, incoming: int) -> list[int]:
-        """Drop LRU entries from the index until `incoming` bytes fit; caller unlinks them."""
-        victims = []
-        while self._index and self._used + self._reserved + incoming > self.capacity_bytes:
-            h = self._lru.pop_victim()
+    def _evict_locked(self, incoming: int) -> list[int | OldFile]:
+        """Take files off the count until `incoming` bytes fit: old fingerprints' files
+        oldest first, then this fingerprint's LRU blocks; the caller `_drop`s them."""
+        victims: list[int | OldFile] = []
+        while self._used + self._old.bytes + self._reserved + incoming > self.capacity_bytes:
+            old = self._old.pop_oldest()
+            if old is not None:
+                victims.append(old)
+                self._c["old_fingerprint_removed"] += 1
+                continue
+            h = self._lru.pop_victim() if self._index else None
             if h is None:
                 break
             self._forget_locked(h)
             victims.append(h)
             self._c["evictions"] += 1
         return victims
+
+    def _drop(self, victims: list[int | OldFile]) -> None:
+        """Unlink what `_evict_locked` took off the count (outside the lock)."""
+        self._old.remove([v for v in victims if isinstance(v, OldFile)])
+        for v in victims:
+            if isinstance(v, int):
+                self._unlink(fmt.block_name(v))
 
     def _forget_locked(self, block_hash: int) -> int | None:
         """Drop a block from every index (not the LRU, which the caller handles); its size."""
@@ -478,12 +540,13 @@ class DiskTier(DiskUpkeep, ColdMedium):
             pass
 
     def close(self) -> None:
+        """Stop the tier's threads and let go of the directory and its lock."""
+        stop_prober(self)
         if self._sweeper is not None:
             self._sweeper.stop()
             self._sweeper = None
-        if self._dir_fd is not None:
-            os.close(self._dir_fd)
-            self._dir_fd = None
+        self._finalizer()  # closes the descriptors once, here or when the tier is collected
+        self._dir_fd = self._owner_fd = None
 
     def stats(self) -> DiskTierStats:
         with self._lock:
@@ -496,8 +559,17 @@ class DiskTier(DiskUpkeep, ColdMedium):
                 reason=self.reason,
                 undecodable_blocks=len(self._undecodable),
                 old_key_blocks=len(self._old_key),
+                old_fingerprint_bytes=self._old.bytes,
+                old_fingerprint_dirs=self._old.num_dirs,
                 **self._c,
             )
+
+
+def _release(dir_fd: int | None, owner_fd: int | None, old: OldDirs) -> None:
+    old.close()
+    for fd in (dir_fd, owner_fd):  # the lock last: nothing is in flight once it goes
+        if fd is not None:
+            os.close(fd)
 
 
 def _create(ctx: MediumContext, options: Mapping[str, Any]) -> DiskTier:
