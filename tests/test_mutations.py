@@ -769,6 +769,14 @@ MUTANTS = [
         "self._used + self._reserved",
         ("tests/kv/test_kv_disk_recovery.py::test_old_fingerprints_count_in_the_budget_and_go_oldest_first",),
     ),
+    Mutant(
+        "gate: an async job ignores the engine-dead mark",
+        "tierguard/gate/forward.py",
+        'if resp.headers.get(ENGINE_STATE_HEADER) == "dead":',
+        "if False:",
+        ("tests/gate/test_dead_engine.py::test_an_async_job_meeting_a_dead_engine_ejects_it_and_runs_elsewhere_as_batch",),
+        slow=True,  # the request path's mark has a default mutant; this is its twin for jobs
+    ),
 ]
 FAST = [m for m in MUTANTS if not m.slow]
 

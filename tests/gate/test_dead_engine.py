@@ -96,3 +96,37 @@ def test_the_health_probe_ejects_a_replica_whose_engine_stopped(tmp_path):
     assert killed[0] == 500, killed
     assert view[0]["healthy"] is False and "503" in (view[0]["last_error"] or ""), view[0]
     assert [(s, replica) for s, _, replica in later] == [(200, "1")] * 4, later
+
+
+def test_an_async_job_meeting_a_dead_engine_ejects_it_and_runs_elsewhere_as_batch(tmp_path):
+    """A job (202, the batch class) routed to a replica whose engine stopped meets the
+    engine-dead mark: the replica is ejected at once and the job runs on the other one,
+    which sees it as batch."""
+    from tests.serve.fake_engine import FakeEngine
+
+    engines = _engines()
+    _break(engines[0])
+    fake = FakeEngine()
+
+    async def go():
+        async with serve(create_app(engines[0])) as r0, serve(create_app(fake)) as r1, \
+                gate([url_of(r0), url_of(r1)], str(tmp_path), route="round-robin", health_interval_s=30) as front:
+            killed = await asyncio.wait_for(_post(r0), 60)  # the engine stops; the gate has not probed yet
+            job_body = {k: v for k, v in BODY.items() if k != "model"}  # the other replica serves another name
+            async with front.post("/v1/completions", json={**job_body, "tierguard_async": True}) as r:
+                assert r.status == 202, await r.text()
+                url = (await r.json())["url"]
+            deadline = asyncio.get_running_loop().time() + 60  # a hang guard, not a speed target
+            while True:
+                async with front.get(url) as r:
+                    job = await r.json()
+                if job["status"] not in ("queued", "running") or asyncio.get_running_loop().time() > deadline:
+                    break
+                await asyncio.sleep(0.05)
+            return killed, job, await _upstreams(front)
+
+    killed, job, view = asyncio.run(go())
+    assert killed[0] == 500
+    assert job["status"] == "succeeded", {k: job.get(k) for k in ("status", "error", "http_status", "attempts")}
+    assert view[0]["healthy"] is False and view[0]["last_error"] == "engine_dead", view[0]
+    assert fake.seen_classes == ["batch"]

@@ -28,6 +28,10 @@ from aiohttp import web
 from tierguard.common.peers import PeerGuard, SlowReader
 from tierguard.common.redact import redact_url
 
+# Set by `tierguard serve` on answers of an engine that stopped after an error: the gate
+# ejects the replica at once (a plain 503 means busy and is only tried elsewhere).
+ENGINE_STATE_HEADER = "X-Tierguard-Engine-State"
+
 _USAGE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _PROMPT_USAGE = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _DONE = b"data: [DONE]\n\n"
@@ -75,9 +79,14 @@ class Upstream:
         except aiohttp.ClientError as exc:
             raise UpstreamError(502, "error", f"upstream request failed: {type(exc).__name__}") from None
 
-    async def post_json(self, path: str, body: dict) -> tuple[int, dict]:
-        """A whole non-streaming exchange (async jobs)."""
-        resp = await self.post(path, json.dumps(body).encode())
+    async def post_json(self, path: str, body: dict, extra_headers: dict[str, str] | None = None,
+                        ) -> tuple[int, dict]:
+        """A whole non-streaming exchange (async jobs). An answer marked `ENGINE_STATE_HEADER:
+        dead` raises UpstreamError of kind "engine_dead": the replica cannot serve anyone."""
+        resp = await self.post(path, json.dumps(body).encode(), extra_headers)
+        if resp.headers.get(ENGINE_STATE_HEADER) == "dead":
+            resp.release()
+            raise UpstreamError(resp.status, "engine_dead", f"upstream {redact_url(self.base_url)}: its engine stopped")
         try:
             raw = await resp.read()
         except (aiohttp.ClientError, TimeoutError) as exc:

@@ -16,7 +16,7 @@ from aiohttp import web
 from tierguard.common.peers import BodyError
 from tierguard.common.tokenpool import PoolBusy
 from tierguard.gate.admission import Downgrade, HandOff, Rejected, RequestInfo
-from tierguard.gate.forward import UpstreamError, relay
+from tierguard.gate.forward import ENGINE_STATE_HEADER, UpstreamError, relay
 from tierguard.gate.http import error_response, messages_problem, read_json, tenant
 from tierguard.gate.jobs import DISK_FULL, JobRefused
 from tierguard.gate.reqlog import RequestRecord
@@ -24,7 +24,7 @@ from tierguard.gate.runner import os_reason
 from tierguard.gate.state import GATE, GateState
 from tierguard.gate.tokens_fit import chat_bytes, text_bytes
 from tierguard.gate.trim import can_trim, trim_messages
-from tierguard.gate.upstreams import ENGINE_STATE_HEADER, SESSION_HEADER
+from tierguard.gate.upstreams import SESSION_HEADER
 from tierguard.kv.contract import CLASS_HEADER, CLASS_HEADER_ALIAS, classify_request
 
 PRIORITY_HEADER = CLASS_HEADER  # the one request-class header; CLASS_HEADER_ALIAS also accepted

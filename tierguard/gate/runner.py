@@ -119,7 +119,7 @@ class JobRunner:
             finally:  # the slot goes back as the call ends: before any back-off, and on a bug too
                 self.controller.release(ticket)
         except UpstreamError as exc:
-            if exc.kind == "unreachable" and job.attempts < MAX_ATTEMPTS:
+            if exc.kind in ("unreachable", "engine_dead") and job.attempts < MAX_ATTEMPTS:
                 job.status = "queued"
                 await asyncio.to_thread(self.store.save, job)
                 await asyncio.sleep(min(30.0, 0.5 * 2**job.attempts))

@@ -39,11 +39,11 @@ from tierguard.common.redact import redact_url
 from tierguard.gate.forward import Upstream, UpstreamError
 from tierguard.gate.prefix_index import render_chat, render_prompt
 from tierguard.gate.routing import PrefixAware, ReplicaLoad, RouteDecision, Router, RouteRequest
+from tierguard.kv.contract import BATCH, CLASS_HEADER
 
 log = logging.getLogger("tierguard.gate")
 SESSION_HEADER = "X-Tierguard-Session"
 # Set to "dead" by `tierguard serve` on an answer from a server whose engine has stopped.
-ENGINE_STATE_HEADER = "X-Tierguard-Engine-State"
 # Queue depth a replica reports: vLLM (and `tierguard serve`, which uses vLLM's names) waiting
 # requests, the admission queue of a tierguard server/gate, SGLang's queue, the schedule server's.
 _WAITING = re.compile(rb"^(?:vllm:num_requests_waiting|tierguard_gate_queue_depth|sglang:num_queue_reqs"
@@ -139,8 +139,8 @@ class Fleet:
             self._eject(replica, f"{replica.soft_failures} failures in a row ({kind})")
 
     async def post_json(self, path: str, body: dict) -> tuple[int, dict]:
-        """A whole non-streaming exchange (async jobs), routed, retried once on another replica when
-        it failed before any answer."""
+        """A whole non-streaming exchange (async jobs, the batch class), routed, retried once on
+        another replica when it failed before any answer or met a stopped engine."""
         request = self.request_for(body, path.endswith("/chat/completions"), None)
         tried: list[int] = []
         last: UpstreamError | None = None
@@ -152,7 +152,7 @@ class Fleet:
             tried.append(replica.index)
             replica.in_flight += 1
             try:
-                result = await replica.upstream.post_json(path, body)
+                result = await replica.upstream.post_json(path, body, {CLASS_HEADER: BATCH})
             except UpstreamError as exc:
                 self.failed(replica, exc.kind)
                 last = exc

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from tierguard.common.errors import TierguardError
 from tierguard.engine.api import EngineDeadError, RequestFailed
-from tierguard.gate.upstreams import ENGINE_STATE_HEADER
+from tierguard.gate.forward import ENGINE_STATE_HEADER
 
 # HTTP status -> OpenAI error "type" string (what the SDKs expect to see).
 _TYPES = {
