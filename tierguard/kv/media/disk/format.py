@@ -1,9 +1,9 @@
 """Block files of the disk tier: names, the directory scan, and raw file I/O.
 
-`<root>/<fingerprint>/<hash:016x>.kvb` holds one block in the medium-neutral format of
-tierguard/kv/media/block_format.py (64-byte header, then the stored bytes). Temporary files are
-`.tmp-<hash:016x>-<pid>-<seq>`; a dead writer's pid marks them as leftovers of a kill -9
-that the next start removes.
+`<root>/<fingerprint>/<hash:064x>.kvb` holds one block in the medium-neutral format of
+tierguard/kv/media/block_format.py (128-byte header, then the stored bytes); the name is the
+block's whole 256-bit hash. Temporary files are `.tmp-<low 64 bits of the hash:016x>-<pid>-<seq>`;
+a dead writer's pid marks them as leftovers of a kill -9 that the next start removes.
 """
 
 from __future__ import annotations
@@ -32,16 +32,16 @@ __all__ = [
 
 OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC  # never follow a symlink planted in the tier directory
 
-BLOCK_RE = re.compile(r"^([0-9a-f]{16})\.kvb$")
+BLOCK_RE = re.compile(r"^([0-9a-f]{64})\.kvb$")
 TEMP_RE = re.compile(r"^\.tmp-([0-9a-f]{16})-(\d+)-(\d+)$")
 
 
 def block_name(block_hash: int) -> str:
-    return f"{block_hash:016x}.kvb"
+    return f"{block_hash:064x}.kvb"
 
 
 def temp_name(block_hash: int, pid: int, seq: int) -> str:
-    return f".tmp-{block_hash:016x}-{pid}-{seq}"
+    return f".tmp-{block_hash & U64_MAX:016x}-{pid}-{seq}"
 
 
 def as_buffer(obj: torch.Tensor | bytes | bytearray | memoryview) -> memoryview:
