@@ -3,6 +3,8 @@
 - A fine-tune dropped into the model's directory (same file names, sizes and mtimes:
   its weights rewritten in place, the mtime set back) gets no block from the disk or
   Redis blocks the old weights wrote, while the old weights do get them back (control).
+- Requests with different `cache_salt`s share no prefix in the device cache, host RAM
+  or disk; requests with equal salts do.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tests.engine.conftest import SMALL
+from tests.engine.conftest import SMALL, make_engine
 from tests.engine.test_tiers import PROMPTS, run
 from tests.kv.conftest import wait_until
 from tierguard.engine.api import SamplingParams
@@ -76,3 +78,30 @@ def test_a_fine_tune_in_the_same_directory_gets_no_kv_from_disk_or_redis(tmp_pat
         assert bm.prefix_queries > 0 and bm.prefix_hits == 0  # ...and none is served
     finally:
         tuned.close()
+
+
+def _salted(salt: str | None) -> SamplingParams:
+    return SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, cache_salt=salt)
+
+
+def test_cache_salt_partitions_the_prefix_cache_in_every_tier(tiny_dir, tmp_path):
+    prompt = PROMPTS[0]
+    engine = make_engine(tiny_dir, kv_host_gib=0.01, kv_disk_dir=str(tmp_path), kv_disk_gib=0.05)
+    try:
+        first = run(engine, [prompt], _salted("tenant-a"))
+        hits = engine.block_manager.prefix_hits
+        assert run(engine, [prompt], _salted("tenant-b")) == first  # same answer, computed again
+        assert engine.block_manager.prefix_hits == hits  # no device hit across salts
+        assert run(engine, [prompt], _salted(None)) == first
+        assert engine.block_manager.prefix_hits == hits  # nor for the unsalted partition
+        run(engine, [prompt], _salted("tenant-a"))
+        assert engine.block_manager.prefix_hits > hits  # the same salt shares
+        # Below the device: host RAM and disk hold the salted prefixes apart too.
+        engine.pool.evict_all_cached()
+        before = engine.stats().flat()["kv_blocks_loaded"]
+        run(engine, [prompt], _salted("tenant-c"))
+        assert engine.stats().flat()["kv_blocks_loaded"] == before
+        run(engine, [prompt], _salted("tenant-b"))
+        assert engine.stats().flat()["kv_blocks_loaded"] > before
+    finally:
+        engine.close()
