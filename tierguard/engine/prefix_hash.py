@@ -17,8 +17,8 @@ one name in about 2**32 tries, and a cold tier shared through Redis trusts names
 SHA-256 (what vLLM's prefix cache uses for the same reason) a collision costs about
 2**128 hashes. It is unkeyed on purpose: replicas that share a tier must agree on the
 names without sharing a secret; the root already separates models and tenants. Hashes
-are Python ints of 256 bits; a block of 16 tokens costs about a microsecond (numbers in
-docs/benchmarks.md).
+are Python ints of 256 bits. A run of blocks converts its token ids once, so a block
+costs one SHA-256 of a few hundred bytes and no per-block array conversion.
 """
 
 from __future__ import annotations
