@@ -189,11 +189,11 @@ async def _workload(gate_url: str, replicas: list[str], chats: list[list[dict]],
 
 def _variant(route: str, a: argparse.Namespace, chats: list, tmp: str) -> dict:
     serve = [sys.executable, "-m", "tierguard.cli.main", "serve", "--model", "tiny", "--port", "0",
-             "--max-model-len", "4096"]
+             "--max-model-len", "4096", "--enable-prompt-tokens-details"]
     replicas = _start_all([(serve, SERVE_READY, os.path.join(tmp, f"{route}-r{i}.err")) for i in range(2)])
     try:
         urls = [c.ready_text.split()[0] for c in replicas]  # type: ignore[attr-defined]
-        gate_args = [sys.executable, "-m", "tierguard.cli.main", "gate", "--port", "0", "--route", route,
+        gate_args = [sys.executable, "-m", "tierguard.cli.main", "gate", "--port", "0", "--route-headers", "--route", route,
                      "--jobs-dir", os.path.join(tmp, f"jobs-{route}"), "--max-concurrency", "64",
                      "--health-interval-s", "0.5", "--first-byte-timeout-s", "300",
                      *[x for u in urls for x in ("--upstream", u)]]

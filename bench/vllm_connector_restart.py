@@ -80,7 +80,7 @@ def corrupt_files(disk: Path, prompt: list[int]) -> int:
     hashes = RequestHashes(request_salt(fp_dir.name, None), BLOCK).upto(prompt, len(prompt) - 1)
     n = 0
     for h in hashes:
-        path = fp_dir / f"{h:016x}.kvb"
+        path = fp_dir / f"{h:064x}.kvb"
         if path.exists():
             data = bytearray(path.read_bytes())
             data[4096] ^= 0xFF

@@ -77,6 +77,9 @@ ENGINE_FAILURES = "tests/engine/test_async_engine.py"  # faults injected into on
 SERVE_FAILURES = "tests/serve/test_engine_failures.py"
 CLUSTER_FAILOVER = ("tests/gate/test_shared_limits_cluster.py::"
                     "test_a_failover_seen_through_a_redirect_holds_shared_admission_until_every_lease_is_back")
+# KV served only to the model and tenant it belongs to.
+FINE_TUNE = "tests/engine/test_kv_identity_engine.py::test_a_fine_tune_in_the_same_directory_gets_no_kv_from_disk_or_redis"
+TENANTS = "tests/gate/test_tenant_isolation.py::test_two_keys_share_no_prefix_and_no_response_tells"
 
 MUTANTS = [
     Mutant(
@@ -468,8 +471,8 @@ MUTANTS = [
     Mutant(
         "at rest: the associated data leaves out the model fingerprint",
         "tierguard/kv/media/block_format.py",
-        'return fingerprint.encode("ascii") + block_hash.to_bytes(8, "little")',
-        'return block_hash.to_bytes(8, "little")',
+        'return fingerprint.encode("ascii") + block_hash.to_bytes(HASH_BYTES, "little")',
+        'return block_hash.to_bytes(HASH_BYTES, "little")',
         (f"{AT_REST_BINDING}::test_the_same_hash_under_another_fingerprint_fails_authentication",),
     ),
     Mutant(
@@ -776,6 +779,85 @@ MUTANTS = [
         "if False:",
         ("tests/gate/test_dead_engine.py::test_an_async_job_meeting_a_dead_engine_ejects_it_and_runs_elsewhere_as_batch",),
         slow=True,  # the request path's mark has a default mutant; this is its twin for jobs
+    ),
+    Mutant(
+        "fingerprint: the weights' content left out (names only: a fine-tune reads the old KV)",
+        "tierguard/engine/factory.py",
+        'return f"sha256:{weights_digest(files)};',
+        'return f"sha256:{[f.name for f in files]};',
+        (FINE_TUNE,),
+        because="assert tuned.fingerprint != old.fingerprint",
+    ),
+    Mutant(
+        "weights digest cache: a file rewritten in place with its mtime set back keeps its old digest",
+        "tierguard/kv/weights_digest.py",
+        "return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]",
+        "return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]",
+        ("tests/kv/test_kv_identity.py::test_weights_digest_follows_content_not_size_or_mtime",),
+    ),
+    Mutant(
+        "block hashes: the SHA-256 chain cut to 64 bits",
+        "tierguard/engine/prefix_hash.py",
+        'prev = int.from_bytes(sha(prev.to_bytes(HASH_BYTES, "little") + raw[off : off + step]).digest(), "little")',
+        'prev = int.from_bytes(sha(prev.to_bytes(HASH_BYTES, "little") + raw[off : off + step]).digest()[:8], "little")',
+        ("tests/kv/test_kv_identity.py::test_block_hashes_are_a_sha256_chain_rooted_in_the_fingerprint_and_the_salt",),
+    ),
+    Mutant(
+        "cold tiers: a block made from other tokens served under the reader's name",
+        "tierguard/kv/media/block_format.py",
+        "return header.fingerprint == fingerprint and header.block_hash == block_hash",
+        "return header.fingerprint == fingerprint",
+        (
+            "tests/kv/test_kv_identity.py::test_disk_a_block_from_other_tokens_under_the_readers_name_is_a_counted_miss",
+            "tests/kv/test_kv_identity.py::test_redis_a_block_from_other_tokens_under_the_readers_key_is_a_counted_miss",
+        ),
+    ),
+    Mutant(
+        "engine: cache_salt not mixed into the first block's hash",
+        ENGINE,
+        "seq.hash_root = root_hash(self.fingerprint, seq.params.cache_salt)",
+        "seq.hash_root = root_hash(self.fingerprint, None)",
+        (
+            "tests/engine/test_kv_identity_engine.py::test_cache_salt_partitions_the_prefix_cache_in_every_tier",
+            "tests/serve/test_cache_salt_serve.py::test_cache_salt_partitions_the_prefix_cache",
+        ),
+    ),
+    Mutant(
+        "vLLM connector: cache_salt not mixed into the first block's hash",
+        "tierguard/integrations/vllm/layout.py",
+        "return root_hash(fingerprint_salt(fp), cache_salt)",
+        "return root_hash(fingerprint_salt(fp), None)",
+        ("tests/integrations/test_vllm_identity.py::test_request_hashes_are_rooted_in_the_fingerprint_and_the_cache_salt",),
+    ),
+    Mutant(
+        "serve: cached_tokens reported without --enable-prompt-tokens-details",
+        "tierguard/serve/generate.py",
+        "out.num_cached_tokens if details else 0",
+        "out.num_cached_tokens",
+        ("tests/serve/test_cache_salt_serve.py::test_cached_tokens_only_with_the_flag",),
+    ),
+    Mutant(
+        "gate: per-key isolation forwards no cache_salt (tenants share prefixes)",
+        "tierguard/gate/isolation.py",
+        "    body[SALT_FIELD] = salt\n",
+        "    pass\n",
+        (TENANTS,),
+        because="hits_after == hits_before",
+    ),
+    Mutant(
+        "gate: the route reason (prefix_hit) sent to clients without --route-headers",
+        "tierguard/gate/proxy.py",
+        "if len(fleet.replicas) > 1 and state.settings.route_headers:",
+        "if len(fleet.replicas) > 1:",
+        (TENANTS,),
+        because="x-tierguard-r",
+    ),
+    Mutant(
+        "gate: one prefix routing index for every salt (routing follows other keys' prefixes)",
+        "tierguard/gate/prefix_index.py",
+        'h = xxhash.xxh64_intdigest(salt.encode("utf-8", "surrogatepass"), seed=1) if salt else 0',
+        "h = 0",
+        ("tests/gate/test_tenant_isolation.py::test_per_key_salts_are_stable_unguessable_and_cannot_be_escaped",),
     ),
 ]
 FAST = [m for m in MUTANTS if not m.slow]

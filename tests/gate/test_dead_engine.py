@@ -52,7 +52,8 @@ def test_a_request_that_meets_a_dead_engine_ejects_its_replica_at_once(tmp_path)
 
     async def go():
         async with serve(create_app(engines[0])) as r0, serve(create_app(engines[1])) as r1, \
-                gate([url_of(r0), url_of(r1)], str(tmp_path), route="round-robin", health_interval_s=30) as front:
+                gate([url_of(r0), url_of(r1)], str(tmp_path), route="round-robin", route_headers=True,
+                     health_interval_s=30) as front:
             first = await asyncio.wait_for(_post(front), 60)
             view = await _upstreams(front)
             later = [await _post(front) for _ in range(4)]
@@ -77,7 +78,8 @@ def test_the_health_probe_ejects_a_replica_whose_engine_stopped(tmp_path):
 
     async def go():
         async with serve(create_app(engines[0])) as r0, serve(create_app(engines[1])) as r1, \
-                gate([url_of(r0), url_of(r1)], str(tmp_path), route="round-robin", health_interval_s=0.2) as front:
+                gate([url_of(r0), url_of(r1)], str(tmp_path), route="round-robin", route_headers=True,
+                     health_interval_s=0.2) as front:
             assert (await _upstreams(front))[0]["healthy"] is True
             killed = await asyncio.wait_for(_post(r0), 60)
             views: list = []
@@ -110,7 +112,8 @@ def test_an_async_job_meeting_a_dead_engine_ejects_it_and_runs_elsewhere_as_batc
 
     async def go():
         async with serve(create_app(engines[0])) as r0, serve(create_app(fake)) as r1, \
-                gate([url_of(r0), url_of(r1)], str(tmp_path), route="round-robin", health_interval_s=30) as front:
+                gate([url_of(r0), url_of(r1)], str(tmp_path), route="round-robin", route_headers=True,
+                     health_interval_s=30) as front:
             killed = await asyncio.wait_for(_post(r0), 60)  # the engine stops; the gate has not probed yet
             job_body = {k: v for k, v in BODY.items() if k != "model"}  # the other replica serves another name
             async with front.post("/v1/completions", json={**job_body, "tierguard_async": True}) as r:

@@ -27,7 +27,7 @@ def test_failover_ejection_and_readmission(tmp_path):
     sched = dict(ttft_ms=20, itl_ms=10)
     log = tmp_path / "req.jsonl"
     with ScheduleServer(**sched) as up0, ScheduleServer(**sched) as up1, \
-            GateProcess(up0.base_url, "--upstream", up1.base_url, "--route", "round-robin",
+            GateProcess(up0.base_url, "--upstream", up1.base_url, "--route-headers", "--route", "round-robin",
                         "--health-interval-s", "30", jobs_dir=tmp_path / "jobs", log=log) as gate:
         url = gate.url + "/v1/completions"
         body = {"model": "m", "prompt": "hello", "max_tokens": 4}
@@ -99,7 +99,7 @@ def _turns(gate_url: str, chats: int, turns: int) -> dict:
 
 def test_prefix_routing_keeps_each_chat_where_its_prefix_is_and_sessions_stick(tmp_path):
     with ScheduleServer(ttft_ms=5, itl_ms=1) as up0, ScheduleServer(ttft_ms=5, itl_ms=1) as up1:
-        with GateProcess(up0.base_url, "--upstream", up1.base_url, "--route", "prefix",
+        with GateProcess(up0.base_url, "--upstream", up1.base_url, "--route-headers", "--route", "prefix",
                          jobs_dir=tmp_path / "jobs") as gate:
             placed = _turns(gate.url, chats=5, turns=3)
 
@@ -115,7 +115,7 @@ def test_prefix_routing_keeps_each_chat_where_its_prefix_is_and_sessions_stick(t
                     assert await metric(s, gate.url, "tierguard_gate_prefix_index_entries") > 0
 
             run(sessions())
-        with GateProcess(up0.base_url, "--upstream", up1.base_url, "--route", "round-robin",
+        with GateProcess(up0.base_url, "--upstream", up1.base_url, "--route-headers", "--route", "round-robin",
                          jobs_dir=tmp_path / "jobs2") as gate:
             spread = _turns(gate.url, chats=5, turns=3)
     for turns in placed.values():

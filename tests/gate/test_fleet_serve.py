@@ -28,9 +28,10 @@ def test_prefix_routing_sends_each_chats_turns_to_the_replica_that_cached_its_pr
                                              kv_cache_gib=0.02, dtype="float32", device="cpu") for _ in range(2)]
 
     async def main():
-        async with serve(create_app(engines[0])) as r0, serve(create_app(engines[1])) as r1:
+        async with serve(create_app(engines[0], prompt_tokens_details=True)) as r0, \
+                serve(create_app(engines[1], prompt_tokens_details=True)) as r1:
             urls = [str(r.make_url("")).rstrip("/") for r in (r0, r1)]
-            with GateProcess(urls[0], "--upstream", urls[1], "--route", "prefix", "--health-interval-s", "30",
+            with GateProcess(urls[0], "--upstream", urls[1], "--route-headers", "--route", "prefix", "--health-interval-s", "30",
                              jobs_dir=tmp_path / "jobs") as gate:
                 async with aiohttp.ClientSession() as s:
                     seen: dict[int, list] = {0: [], 1: []}
@@ -57,7 +58,8 @@ def test_prefix_routing_sends_each_chats_turns_to_the_replica_that_cached_its_pr
 
 
 def _serve(tmp_path, i: int) -> ReadyProcess:
-    child = ReadyProcess([sys.executable, "-m", "tierguard.cli.main", "serve", "--model", "tiny", "--port", "0"],
+    child = ReadyProcess([sys.executable, "-m", "tierguard.cli.main", "serve", "--model", "tiny", "--port", "0",
+                          "--enable-prompt-tokens-details"],
                          "tierguard serve: ready on ", stderr_path=tmp_path / f"serve{i}.err", grace_s=10.0)
     child.url = child.start(300).split()[0]  # type: ignore[attr-defined]
     return child
@@ -68,7 +70,7 @@ def test_prefix_routing_hits_the_replica_cache_and_survives_a_killed_replica(tmp
     replicas = [_serve(tmp_path, i) for i in range(2)]
     try:
         urls = [r.url for r in replicas]  # type: ignore[attr-defined]
-        with GateProcess(urls[0], "--upstream", urls[1], "--route", "prefix", "--health-interval-s", "30",
+        with GateProcess(urls[0], "--upstream", urls[1], "--route-headers", "--route", "prefix", "--health-interval-s", "30",
                          jobs_dir=tmp_path / "jobs") as gate:
 
             async def main():

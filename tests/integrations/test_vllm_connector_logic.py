@@ -131,7 +131,7 @@ def test_batch_waits_longer_than_interactive(tmp_path):
 def test_a_corrupt_block_is_recomputed_and_the_prefix_before_it_loads(tmp_path):
     cfg = _disk(tmp_path)
     hashes, written = _write_prefix(tmp_path, cfg)
-    (victim,) = (tmp_path / "kv").rglob(f"{hashes[3]:016x}.kvb")
+    (victim,) = (tmp_path / "kv").rglob(f"{hashes[3]:064x}.kvb")
     data = bytearray(victim.read_bytes())
     data[200] ^= 0xFF  # a flipped payload byte: the checksum fails
     victim.write_bytes(bytes(data))

@@ -30,11 +30,15 @@ def connector(monkeypatch):
 def vllm_config(tmp_path, world_size: int = 1, **extra) -> SimpleNamespace:
     opts = {"kv_host_gib": 0.001, "host_shm_dir": str(tmp_path / "shm"), "kv_disk_dir": str(tmp_path / "kv"),
             "kv_disk_gib": 0.01, **extra}
+    model = tmp_path / "model"  # the fingerprint hashes the checkpoint's weight files
+    model.mkdir(exist_ok=True)
+    (model / "model.safetensors").write_bytes(b"weights of a tiny model")
     return SimpleNamespace(
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config=opts, engine_id="e0"),
+        load_config=SimpleNamespace(download_dir=None),
         parallel_config=SimpleNamespace(world_size=world_size),
         cache_config=SimpleNamespace(kv_cache_layout=None),
-        model_config=SimpleNamespace(model="tiny-model", served_model_name="tiny",
+        model_config=SimpleNamespace(model=str(model), served_model_name="tiny", dtype="float32",
                                      hf_text_config=SimpleNamespace(to_dict=lambda: {"num_hidden_layers": 2})),
     )
 

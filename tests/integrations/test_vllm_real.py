@@ -129,7 +129,7 @@ def _corrupt_prompt_files(fp_dir: Path, prompt: list[int]) -> int:
     hashes = RequestHashes(request_salt(fp, None), 128).upto(prompt, len(prompt) - 1)
     n = 0
     for h in hashes:
-        path = fp_dir / f"{h:016x}.kvb"
+        path = fp_dir / f"{h:064x}.kvb"
         data = bytearray(path.read_bytes())
         data[4096] ^= 0xFF
         path.write_bytes(bytes(data))

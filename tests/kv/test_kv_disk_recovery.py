@@ -199,3 +199,20 @@ def test_a_smaller_budget_at_start_removes_old_fingerprints_first(tmp_path):
         assert os.listdir(tmp_path / OLD) == ["notes.txt"]  # a directory holding other files stays
     finally:
         tier.close()
+
+
+def test_an_upgrade_leaves_old_format_blocks_that_count_and_go_first(tmp_path):
+    """Blocks of the previous format (64-bit names) are what an upgrade leaves behind in the
+    old fingerprint's directory: counted in the budget and removed first, like any old file."""
+    old = tmp_path / OLD
+    old.mkdir()
+    for i in range(3):
+        (old / f"{i:016x}.kvb").write_bytes(b"\0" * PER)
+        os.utime(old / f"{i:016x}.kvb", (1000 + i, 1000 + i))
+    tier = DiskTier(tmp_path, FP, 3 * PER)
+    try:
+        assert tier.stats().old_fingerprint_bytes == 3 * PER
+        assert tier.write(1, payload(1, N))
+        assert sorted(os.listdir(old)) == [f"{i:016x}.kvb" for i in (1, 2)]  # the oldest went
+    finally:
+        tier.close()

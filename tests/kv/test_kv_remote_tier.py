@@ -83,7 +83,7 @@ def test_a_block_written_by_one_replica_is_read_by_another(tiers, redis_server):
     raw = r.get(a.key(2))
     header = blk.decode_header(raw[: blk.HEADER_LEN])
     assert (header.fingerprint, header.block_hash, header.payload_len) == (FP, 2, BLOCK)
-    assert a.key(2) == f"tgkv:{FP}:{2:016x}" and 0 < r.pttl(a.key(2)) <= 3600 * 1000
+    assert a.key(2) == f"tgkv:{FP}:{2:064x}" and 0 < r.pttl(a.key(2)) <= 3600 * 1000
 
 
 def test_another_fingerprint_never_sees_the_blocks(tiers):

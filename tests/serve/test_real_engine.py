@@ -37,7 +37,7 @@ def test_stream_usage_and_greedy_agreement(engine):
     msgs = [{"role": "user", "content": "What is paged attention?"}]
 
     async def go():
-        async with serve(create_app(engine)) as client:
+        async with serve(create_app(engine, prompt_tokens_details=True)) as client:
             body = {
                 "model": "tiny",
                 "messages": msgs,

@@ -149,7 +149,8 @@ def test_two_replicas_share_a_prefix_through_redis(redis_server):
     body = {"prompt": prompt, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
 
     async def go() -> None:
-        async with serve(create_app(a)) as ca, serve(create_app(b)) as cb:
+        async with serve(create_app(a, prompt_tokens_details=True)) as ca, \
+                serve(create_app(b, prompt_tokens_details=True)) as cb:
 
             async def metric(client, name: str) -> float:
                 return _sample(await (await client.get("/metrics")).text(), name)

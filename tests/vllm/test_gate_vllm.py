@@ -49,7 +49,7 @@ def test_metrics_tierguard_reads_exist_on_a_live_vllm(replicas, tmp_path):
         assert queue_depth(text.replace('vllm:num_requests_waiting{engine="0",model_name="llm"} 0.0',
                                         'vllm:num_requests_waiting{engine="0",model_name="llm"} 3.0').encode()) == 3
     urls = [r.url for r in replicas]
-    with GateProcess(urls[0], "--upstream", urls[1], "--route", "least-loaded", "--health-interval-s", "0.5",
+    with GateProcess(urls[0], "--upstream", urls[1], "--route-headers", "--route", "least-loaded", "--health-interval-s", "0.5",
                      jobs_dir=tmp_path / "jobs") as gate:
         async def main():
             async with aiohttp.ClientSession() as s:
@@ -93,7 +93,7 @@ def test_prefix_routing_gets_more_vllm_cache_hits_than_round_robin(replicas, tmp
     urls = [r.url for r in replicas]
     rates = {}
     for seed, route in enumerate(("round-robin", "prefix")):
-        with GateProcess(urls[0], "--upstream", urls[1], "--route", route, "--health-interval-s", "5",
+        with GateProcess(urls[0], "--upstream", urls[1], "--route-headers", "--route", route, "--health-interval-s", "5",
                          jobs_dir=tmp_path / f"jobs-{route}") as gate:
             rates[route], routes = run(_hit_rate(gate.url, replicas, seed))
         print(f"{route}: prefix-cache hit rate {rates[route]:.3f} (vLLM counters), routes {routes}")
@@ -145,7 +145,7 @@ def test_a_replica_killed_mid_flood_loses_only_the_streams_it_cut(replicas, tmp_
     """Runs last in this module: the bfloat16 replica does not come back."""
     urls = [r.url for r in replicas]
     victim = replicas[1]
-    with GateProcess(urls[0], "--upstream", urls[1], "--route", "round-robin", "--health-interval-s", "0.5",
+    with GateProcess(urls[0], "--upstream", urls[1], "--route-headers", "--route", "round-robin", "--health-interval-s", "0.5",
                      "--max-concurrency", "16", jobs_dir=tmp_path / "jobs") as gate:
         async def main():
             async with aiohttp.ClientSession() as s:

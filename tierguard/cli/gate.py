@@ -49,6 +49,9 @@ _PEER_FLAGS = {
     "tokenizer-queue": (int, "tokenizer jobs waiting or running at most; more get 503 + Retry-After (default 32)"),
 }
 _GATE_FLAGS = {
+    "cache-isolation": (str, "prefix-cache isolation between API keys: shared (requests forwarded as they "
+                             "came; default) or per-key (a cache_salt per key: keys share no cached prefix "
+                             "in any tier, and prefix routing keeps them apart)"),
     "jobs-dir": (str, "directory of async jobs (default $XDG_STATE_HOME/tierguard/jobs, "
                       "i.e. ~/.local/state/tierguard/jobs; created with mode 0700)"),
     "job-ttl-s": (float, "finished async jobs (prompts and answers) are deleted this long after they "
@@ -127,6 +130,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "byte count (+ template slack) is already below the long threshold and the input cap "
                         "is admitted as short without a count (valid for tokenizers that emit at least one "
                         "byte per token: byte-level BPE, SentencePiece with byte fallback)")
+    p.add_argument("--route-headers", action="store_true", default=None,
+                   help="send X-Tierguard-Replica and X-Tierguard-Route on responses (they tell a client whether "
+                        "another one sent the same opening text: only when every client is trusted)")
     add_policy_flags(p, ("reject", "downgrade", "async"))
     for flag, (kind, text) in _GATE_FLAGS.items():
         p.add_argument("--" + flag, type=kind, help=text)
@@ -189,7 +195,7 @@ def resolve_options(args: argparse.Namespace) -> dict:
         if isinstance(options.get(key), str):
             options[key] = parse_bytes(options[key], key)
     for name in ("upstream", "host", "port", "tokenizer", "api_key", "api_key_file", "upstream_api_key", "log",
-                 "log_prompts", "exact_token_count",
+                 "log_prompts", "exact_token_count", "route_headers",
                  *(f.replace("-", "_") for f in {**_POLICY_FLAGS, **_GATE_FLAGS, **_PEER_FLAGS, **_FLEET_FLAGS})):
         value = getattr(args, name, None)
         if value is not None:

@@ -103,6 +103,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="most tokens in one step")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    p.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="report usage.prompt_tokens_details.cached_tokens (as vLLM's flag); off by default, since it tells a "
+        "client whether another client sent the same opening text",
+    )
     add_tier_flags(p)  # --kv-host-gib, --kv-disk-dir, --kv-disk-gib, --ttft-budget-ms, --kv-naive-sync-disk
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.add_argument(
@@ -231,7 +237,7 @@ async def _serve(engine, args: argparse.Namespace, model_name: str) -> int:
     app = create_app(
         engine, api_key=args.api_key, served_model_name=model_name, admission=args.admission, limits=args.limits,
         max_body_bytes=args.max_body_bytes, tokenizer_workers=args.tokenizer_workers or 2,
-        tokenizer_queue=args.tokenizer_queue or 32,
+        tokenizer_queue=args.tokenizer_queue or 32, prompt_tokens_details=args.enable_prompt_tokens_details,
     )
     state = app[STATE_KEY]
     step_log = None

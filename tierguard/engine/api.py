@@ -50,6 +50,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # Prefix-cache partition (vLLM's `cache_salt`): requests share cached KV only when
+    # their salts are equal (the gate sets one per tenant). None: the shared partition.
+    cache_salt: str | None = None
 
 
 @dataclass

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tierguard.engine.block_pool import BlockPool
-from tierguard.engine.prefix_hash import block_hash, prefix_block_hashes
+from tierguard.engine.prefix_hash import block_hash, prefix_block_hashes, root_hash
 from tierguard.engine.sequence import Sequence
 from tierguard.kv.groups import NULL_BLOCK, KVGroups, group_key
 
@@ -130,9 +130,17 @@ class BlockManager:
         if len(cache) < limit:
             parent = cache[-1] if cache else None
             cache += prefix_block_hashes(
-                seq.token_ids, self.block_size, self.fingerprint, len(cache), parent, limit - len(cache)
+                seq.token_ids, self.block_size, self.root(seq), len(cache), parent, limit - len(cache)
             )
         return cache[:limit]
+
+    def root(self, seq: Sequence) -> int:
+        """The parent of `seq`'s first block hash: the model's fingerprint root mixed with
+        the request's `cache_salt`, so every tier (device cache, host RAM, disk, Redis)
+        keeps differently salted prefixes apart."""
+        if seq.hash_root is None:
+            seq.hash_root = root_hash(self.fingerprint, seq.params.cache_salt)
+        return seq.hash_root
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int, num_cached_blocks: int = 0) -> int:
         """Blocks `num_new_tokens` more tokens take, all groups (a sliding group's share
@@ -231,7 +239,7 @@ class BlockManager:
         bs = self.block_size
         num_full = seq.num_computed_tokens // bs
         for i in range(len(seq.block_hashes), num_full):
-            parent = seq.block_hashes[i - 1] if i else self.fingerprint
+            parent = seq.block_hashes[i - 1] if i else self.root(seq)
             tokens = self._tokens_of_block(seq, i)
             h = block_hash(parent, tokens)
             seq.block_hashes.append(h)

@@ -20,6 +20,7 @@ from tierguard.engine.config import EngineConfig
 from tierguard.engine.llm_engine import LLMEngine
 from tierguard.engine.model_runner import KV_DTYPES, kv_block_bytes
 from tierguard.engine.weight_offload import WeightOffloader
+from tierguard.kv.weights_digest import weight_files, weights_digest
 from tierguard.model.config import ModelConfig
 from tierguard.model.gemma3 import kv_groups
 from tierguard.model.loader import load_model
@@ -86,13 +87,22 @@ def set_threads(num_threads: int | None) -> int:
     return n
 
 
-def weights_id(model_dir: Path) -> str:
-    """Tells apart checkpoints of the same shape, for the prefix-hash fingerprint."""
-    parts = [model_dir.resolve().name]
-    for f in sorted(model_dir.glob("*.safetensors")):
-        st = f.stat()
-        parts.append(f"{f.name}:{st.st_size}:{int(st.st_mtime)}")
-    return "|".join(parts)
+def weights_id(
+    model_dir: Path,
+    dtype: torch.dtype | str,
+    weight_dtype: str = "auto",
+    int4_group: int = 32,
+    gguf_path: str | Path | None = None,
+) -> str:
+    """What the KV of this checkpoint depends on besides its config, for the fingerprint
+    (tierguard/kv/spec.py): the SHA-256 of the weight files' content (and of the GGUF
+    file the weights came from), the compute dtype and the weight quantization. Not the
+    directory's name, sizes or mtimes: a fine-tune in the same directory is another id,
+    the same weights under another path are the same. Digests are cached per file
+    (tierguard/kv/weights_digest.py), so a restart does not read the weights again."""
+    files = weight_files(model_dir) + ([Path(gguf_path)] if gguf_path is not None else [])
+    quant = weight_dtype if weight_dtype != "int4" else f"int4/{int4_group}"
+    return f"sha256:{weights_digest(files)};dtype:{str(dtype).removeprefix('torch.')};weights:{quant}"
 
 
 def build_engine(
@@ -198,5 +208,5 @@ def build_engine(
         torch_dtype,
         dev,
         model_name=model_name or model_dir.resolve().name,
-        weights_id=weights_id(model_dir),
+        weights_id=weights_id(model_dir, torch_dtype, weight_dtype, int4_group, gguf_path),
     )

@@ -64,6 +64,9 @@ class Sequence:
         # Chained hashes of full blocks of token_ids (block_manager's lookup cache; tokens
         # only grow, so they stay valid), whether or not the blocks are computed.
         self.prefix_hashes: list[int] = []
+        # Parent of block 0's hash: the model's root mixed with params.cache_salt
+        # (block_manager.py sets it on first use).
+        self.hash_root: int | None = None
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.num_preemptions = 0

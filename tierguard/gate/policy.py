@@ -88,6 +88,13 @@ class GateSettings:
     tokenizer_queue: int = 32  # counts waiting or running at most; more get 503
     upstream_pool: int = 1024  # connections kept to the upstream
     exact_token_count: bool = False  # count every request with the tokenizer (no byte bound)
+    # Prefix-cache isolation (isolation.py): "shared" forwards bodies as they came;
+    # "per-key" sets a `cache_salt` per API key, so keys share no cached prefix.
+    cache_isolation: str = "shared"
+    # X-Tierguard-Replica / X-Tierguard-Route on responses: where a request went and why
+    # ("prefix_hit"). Under shared caching that says whether another client sent the same
+    # opening text, so off unless every client may know it; the request log has both.
+    route_headers: bool = False
     # ---- a fleet of upstreams (docs/fleet.md) ----
     upstreams: list[str] = field(default_factory=list)  # every replica; `upstream` is the first
     route: str = "prefix"  # prefix | least-loaded | round-robin (one upstream: always that one)
@@ -169,6 +176,11 @@ class GateSettings:
             raise TierguardError(f"exact_token_count must be true or false, got {self.exact_token_count!r}")
         if any(not k for k in self.api_keys):
             raise TierguardError("an API key is empty")
+        from tierguard.gate.isolation import check_mode
+
+        check_mode(self.cache_isolation, bool(self.api_keys))
+        if not isinstance(self.route_headers, bool):
+            raise TierguardError(f"route_headers must be true or false, got {self.route_headers!r}")
         self.policy.validate()
         return self
 

@@ -3,7 +3,8 @@
 The gate cannot see the replicas' KV caches; it remembers what it sent where. A
 prompt is rendered to text (chat: role markers + contents, in order, the way every
 chat template lays turns out), cut into fixed-size chunks and hashed in a chain,
-h_i = xxh64(h_{i-1} || chunk_i), as the engines hash their KV blocks. Two prompts
+h_i = xxh64(h_{i-1} || chunk_i), as the engines hash their KV blocks, from a start
+that is the request's `cache_salt` (per-tenant isolation: tenants share no entry). Two prompts
 share the first k chained hashes exactly when they share the first k chunks, so the
 number of leading hashes a replica was sent is how much of the prompt it may still
 hold. Only full chunks count (a partial last chunk is not a reusable block either).
@@ -91,11 +92,14 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def keys(self, text: str) -> list[int]:
-        """The chained hashes of the full chunks of `text` (at most `max_chunks`)."""
+    def keys(self, text: str, salt: str | None = None) -> list[int]:
+        """The chained hashes of the full chunks of `text` (at most `max_chunks`). The
+        chain starts from the request's `cache_salt`, as the engines' block hashes do, so
+        requests of different salts never match each other's entries (isolation.py)."""
         size = self.chunk_chars
         n = min(len(text) // size, self.max_chunks)
-        out, h = [], 0
+        out = []
+        h = xxhash.xxh64_intdigest(salt.encode("utf-8", "surrogatepass"), seed=1) if salt else 0
         for i in range(n):
             h = xxhash.xxh64_intdigest(text[i * size:(i + 1) * size].encode("utf-8", "surrogatepass"), seed=h)
             out.append(h)

@@ -13,11 +13,13 @@ import time
 
 from aiohttp import web
 
+from tierguard.common.errors import TierguardError
 from tierguard.common.peers import BodyError
 from tierguard.common.tokenpool import PoolBusy
 from tierguard.gate.admission import Downgrade, HandOff, Rejected, RequestInfo
 from tierguard.gate.forward import ENGINE_STATE_HEADER, UpstreamError, relay
 from tierguard.gate.http import error_response, messages_problem, read_json, tenant
+from tierguard.gate.isolation import apply_salt, bearer_key
 from tierguard.gate.jobs import DISK_FULL, JobRefused
 from tierguard.gate.reqlog import RequestRecord
 from tierguard.gate.runner import os_reason
@@ -51,6 +53,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
         refusal = _cannot_fit(state, body, chat)
         if refusal is not None:
             return _done(state, rec, arrived, error_response(400, refusal), "cannot_fit")
+        try:  # before any path forwards it, async jobs included
+            apply_salt(body, state.settings.cache_isolation, bearer_key(request.headers.get("Authorization", "")))
+        except TierguardError as exc:
+            return _done(state, rec, arrived, error_response(400, str(exc)), "bad_request")
         as_async = as_async or bool(body.pop(ASYNC_FLAG, False)) or request.headers.get(ASYNC_HEADER) == "1"
         rec.model = str(body.get("model")) if body.get("model") is not None else None
         rec.stream = bool(body.get("stream"))
@@ -131,8 +137,8 @@ async def _forward(state: GateState, request: web.Request, route: str, body: dic
         replica, decision = fleet.choose(target, tried)  # type: ignore[misc]  # never None on the first try
         tried.append(replica.index)
         can_retry = len(tried) < min(2, len(fleet.replicas))
-        rec.upstream, rec.routed = replica.index, decision.reason
-        if len(fleet.replicas) > 1:
+        rec.upstream, rec.routed = replica.index, decision.reason  # the log always has them
+        if len(fleet.replicas) > 1 and state.settings.route_headers:
             headers.update({"X-Tierguard-Replica": str(replica.index), "X-Tierguard-Route": decision.reason})
         replica.in_flight += 1
         try:

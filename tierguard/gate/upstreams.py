@@ -102,7 +102,8 @@ class Fleet:
         keys: list[int] = []
         if isinstance(self.router, PrefixAware):
             text = render_chat(body.get("messages")) if chat else render_prompt(body.get("prompt"))
-            keys = self.router.index.keys(text)
+            salt = body.get("cache_salt")
+            keys = self.router.index.keys(text, salt if isinstance(salt, str) else None)
         user = body.get("user")
         session = session_header or (user if isinstance(user, str) and user else None)
         return RouteRequest(keys=keys, session=session)

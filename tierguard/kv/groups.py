@@ -28,11 +28,10 @@ tiers hold each group's copy of a position apart without knowing about groups.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 from functools import reduce
-
-import xxhash
 
 from tierguard.common.errors import TierguardError
 
@@ -43,10 +42,10 @@ def group_key(block_hash: int, group: int) -> int:
     """The prefix-cache and tier key of group `group`'s copy of a block."""
     if group == 0:
         return block_hash
-    h = xxhash.xxh3_64()
-    h.update(block_hash.to_bytes(8, "little"))
-    h.update(group.to_bytes(4, "little"))
-    return h.intdigest()
+    # SHA-256 as the chain itself (tierguard/engine/prefix_hash.py): a group's key is as
+    # hard to collide as a block hash.
+    data = b"tierguard kv group\x00" + block_hash.to_bytes(32, "little") + group.to_bytes(4, "little")
+    return int.from_bytes(hashlib.sha256(data).digest(), "little")
 
 
 @dataclass(frozen=True)

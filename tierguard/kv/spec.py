@@ -116,26 +116,30 @@ def fingerprint(
 ) -> str:
     """16 hex chars naming everything that makes two blocks with one hash incompatible.
 
-    The one model fingerprint: it salts the first block's prefix hash (`fingerprint_salt`)
-    and names the cold tiers' directories and block headers. Covers the model identity
-    (name or weights id, its config, a digest of its weights when known), the KV dtype,
-    quantization, block size and the full layout, so a different model or layout never
-    reads another's blocks even when the token hashes collide.
+    The one model fingerprint: it roots every request's chain of block hashes
+    (`fingerprint_salt`) and names the cold tiers' directories and block headers. Covers
+    the model identity (`model_id`: for serve, the SHA-256 of the weights' content with
+    the compute dtype and the weight quantization, tierguard/engine/factory.py; for vLLM,
+    the same digest of the checkpoint it loads), its config, `weights_digest` when given
+    apart, and the KV layout (KV dtype, quantization, block size, shape). A fine-tune in
+    the same directory, another dtype or another quantization never reads another's
+    blocks. Format 3: block hashes are SHA-256 (tierguard/engine/prefix_hash.py).
     """
     doc = {
         "model": model_id,
         "config": model_config or {},
         "weights": weights_digest,
         "layout": asdict(layout),
-        "format": 2,
+        "format": 3,
     }
     text = json.dumps(doc, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def fingerprint_salt(fp: str) -> int:
-    """The fingerprint as the 64-bit parent of a sequence's first block hash."""
-    return int(fp, 16)
+    """The root of every block-hash chain of this fingerprint (256 bits, as a block hash);
+    `tierguard.engine.prefix_hash.root_hash` mixes a request's `cache_salt` into it."""
+    return int.from_bytes(hashlib.sha256(b"tierguard kv fingerprint\x00" + fp.encode("ascii")).digest(), "little")
 
 
 @dataclass

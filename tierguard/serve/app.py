@@ -54,6 +54,7 @@ def create_app(
     max_body_bytes: int | None = None,
     tokenizer_workers: int = 2,
     tokenizer_queue: int = 32,
+    prompt_tokens_details: bool = False,
 ) -> web.Application:
     """The server; with `admission`, every generating request passes the gate's controller.
 
@@ -86,6 +87,7 @@ def create_app(
     state = ServeState(
         engine=engine, served_model_names=names, api_key=api_key or None, metrics=metrics, admission=controller,
         guard=guard, pool=pool, token_bytes=token_bytes, max_body_bytes=max_body_bytes,
+        prompt_tokens_details=prompt_tokens_details,
     )
     metrics.registry.register(EdgeCollector("tierguard:", guard, pool, {"model_name": names[0]}))
 

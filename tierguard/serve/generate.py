@@ -51,6 +51,9 @@ class ServeState:
     pool: TokenizerPool | None = None  # tokenizing off the event loop; None: built from the engine
     token_bytes: TokenBytes | None = None  # the byte rule; None: this tokenizer has none
     max_body_bytes: int = 64 * 1024**2
+    # `--enable-prompt-tokens-details`: report usage.prompt_tokens_details.cached_tokens.
+    # Off by default: it reveals whether another client sent the same prefix.
+    prompt_tokens_details: bool = False
 
     def __post_init__(self) -> None:
         if self.pool is None:
@@ -238,7 +241,9 @@ async def _run(
             _raise_engine_error(exc)
         outputs = _chain(first, gen, progress)
         if req.stream:
-            return await _stream(request, req, shape, timer, outputs, headers, state.guard.backlog(request))
+            return await _stream(
+                request, req, shape, timer, outputs, headers, state.guard.backlog(request), state.prompt_tokens_details
+            )
         pieces: list[str] = []
         last = first
         try:
@@ -253,7 +258,7 @@ async def _run(
             shape.whole(
                 "".join(pieces),
                 last.finish_reason,
-                _usage_of(last),
+                _usage_of(last, state.prompt_tokens_details),
             ),
             headers=headers,
         )
@@ -286,6 +291,7 @@ async def _stream(
     outputs: AsyncIterator[RequestOutput],
     headers: dict[str, str] | None = None,
     backlog: Backlog | None = None,
+    details: bool = False,
 ) -> web.StreamResponse:
     sse = SSEWriter(request, backlog)
     sse.response.headers.update(headers or {})
@@ -294,12 +300,12 @@ async def _stream(
         async for out in outputs:
             timer.on_output(out)
             if out.text_delta or out.finished:
-                cont = _usage_of(out) if req.continuous_usage else None
+                cont = _usage_of(out, details) if req.continuous_usage else None
                 await sse.send(shape.chunk(out.text_delta, out.finish_reason if out.finished else None, cont))
             if out.finished:
                 timer.on_finished(out)
                 if req.include_usage:
-                    await sse.send(shape.usage_chunk(_usage_of(out)))
+                    await sse.send(shape.usage_chunk(_usage_of(out, details)))
         await sse.done()
     except ClientGone as exc:
         why = "stopped reading (slow reader)" if isinstance(exc.__cause__, SlowReader) else "went away"
@@ -319,8 +325,8 @@ async def _stream(
     return sse.response
 
 
-def _usage_of(out: RequestOutput) -> dict:
-    return usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
+def _usage_of(out: RequestOutput, details: bool) -> dict:
+    return usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens if details else 0)
 
 
 async def _close(gen: object) -> None:

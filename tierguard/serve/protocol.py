@@ -31,6 +31,8 @@ from tierguard.engine.api import (
 from tierguard.kv.contract import CLASS_HEADER, CLASS_HEADER_ALIAS, classify_request
 from tierguard.serve.errors import APIError, bad_request
 
+MAX_CACHE_SALT = 1024  # characters of `cache_salt` (hashed once per request)
+
 
 class _Strict(BaseModel):
     # JSON's NaN / Infinity extensions (which Python and pydantic read) are refused.
@@ -72,6 +74,9 @@ class _Sampling(_Strict):
     # OpenAI / vLLM ways of saying the same: a positive priority or a flex/batch tier is batch.
     priority: int | str | None = None
     service_tier: str | None = None
+    # vLLM's prefix-cache partition: requests share cached KV (every tier) only when their
+    # salts are equal. `tierguard gate --cache-isolation per-key` sets one per API key.
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT)
 
     def resolve_class(self, headers: Mapping[str, str]) -> str:
         """The class header wins (`X-Tierguard-Priority`, or the older `X-Tierguard-Class`):
@@ -139,6 +144,7 @@ class _Sampling(_Strict):
             stop=[s for s in stop if s],
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
+            cache_salt=self.cache_salt,
         )
 
     @property

@@ -14,6 +14,11 @@ from dataclasses import dataclass, field
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """The usage object; `prompt_tokens_details.cached_tokens` when some prompt tokens
+    came from the prefix cache. The server passes them only with
+    `--enable-prompt-tokens-details` (vLLM's flag, and vLLM's shape): the count tells a
+    client whether someone else sent the same opening text, so it stays off unless every
+    client may know that (generate.py)."""
     body = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,

@@ -43,6 +43,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from tierguard.integrations.vllm.config import parse_config
 from tierguard.integrations.vllm.layout import (
     RequestHashes,
+    checkpoint_digest,
     geometry_from_spec,
     request_salt,
     vllm_fingerprint,
@@ -132,7 +133,14 @@ class TierguardConnector(KVConnectorBase_V1):
 
             mc = vllm_config.model_config
             hf = mc.hf_text_config.to_dict() if hasattr(mc.hf_text_config, "to_dict") else {}
-            self.fingerprint = vllm_fingerprint(str(mc.model), hf, self.geometry)
+            # The checkpoint's content, not its path: a fine-tune in the same directory is
+            # another model (layout.py).
+            weights = checkpoint_digest(
+                str(mc.model), getattr(mc, "revision", None), getattr(vllm_config.load_config, "download_dir", None)
+            )
+            self.fingerprint = vllm_fingerprint(
+                weights, hf, self.geometry, str(mc.dtype), str(getattr(mc, "quantization", None) or "")
+            )
             engine_id = str(self._kv_transfer_config.engine_id or "engine")
             self.scheduler = TierScheduler(
                 self.config, self.fingerprint, self.geometry.block_bytes, engine_id

@@ -7,12 +7,14 @@ caches keep the block index outermost (CPU: [blocks, kv heads, block size, 2 x h
 GPU layouts whose blocks are outermost likewise), so one block of one layer is one
 contiguous slice and `DevicePool.copy_blocks` moves it unchanged.
 
-The fingerprint (`tierguard.kv.spec.fingerprint`) names the model (path or id and its
-config), the KV dtype, block size, KV heads, head size, layer count, page bytes and vLLM's
-cache layout name: blocks written by another model, dtype or layout are never read.
-Block hashes chain the token ids from the fingerprint (tierguard/engine/prefix_hash.py),
-as our engine's do; vLLM's own block hashes are seeded per process, so they cannot name
-a block across a restart or between replicas.
+The fingerprint (`tierguard.kv.spec.fingerprint`) names the model (the SHA-256 of the
+checkpoint files vLLM loads, its config, dtype and quantization), the KV dtype, block
+size, KV heads, head size, layer count, page bytes and vLLM's cache layout name: blocks
+written by another model (a fine-tune in the same directory included), dtype or layout
+are never read. Block hashes are the SHA-256 chain of tierguard/engine/prefix_hash.py,
+rooted in the fingerprint and the request's `cache_salt`, as our engine's are; vLLM's own
+block hashes may be seeded per process, so they cannot name a block across a restart or
+between replicas.
 """
 
 from __future__ import annotations
@@ -20,14 +22,15 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
-import xxhash
 
 from tierguard.common.errors import TierguardError
-from tierguard.engine.prefix_hash import prefix_block_hashes
+from tierguard.engine.prefix_hash import prefix_block_hashes, root_hash
 from tierguard.kv.spec import PART_ALIGN, DevicePool, KVLayout, dtype_name, fingerprint, fingerprint_salt
+from tierguard.kv.weights_digest import WEIGHT_PATTERNS
 
 
 @dataclass(frozen=True)
@@ -56,15 +59,59 @@ def _jsonable(config: Mapping[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(dict(config), sort_keys=True, default=str))
 
 
-def vllm_fingerprint(model_id: str, model_config: Mapping[str, Any], geometry: BlockGeometry) -> str:
-    """16 hex characters naming the model and the exact KV bytes a block holds."""
+def vllm_fingerprint(
+    weights_digest: str,
+    model_config: Mapping[str, Any],
+    geometry: BlockGeometry,
+    model_dtype: str = "",
+    quantization: str = "",
+) -> str:
+    """16 hex characters naming the model and the exact KV bytes a block holds.
+
+    `weights_digest`: `checkpoint_digest` of the files vLLM loads (the content, not the
+    path: replicas loading one checkpoint from different paths share blocks); `model_dtype`
+    and `quantization`: vLLM's model dtype and weight quantization method (same weights,
+    other numerics: other KV)."""
     doc = {
         "engine": "vllm",
         "hf_config": _jsonable(model_config),
         "page_bytes": geometry.page_bytes,
         "cache_layout": geometry.cache_layout,
+        "dtype": model_dtype,
+        "quantization": quantization,
     }
-    return fingerprint(model_id, geometry.layout(), doc)
+    return fingerprint(f"sha256:{weights_digest}", geometry.layout(), doc)
+
+
+def checkpoint_digest(model: str, revision: str | None = None, download_dir: str | None = None) -> str:
+    """The SHA-256 of the weight files vLLM loads for `model` (tierguard/kv/weights_digest.py,
+    cached per file): a local directory's weight files, or the snapshot a Hugging Face
+    model id resolves to in the local cache (never downloaded here). Raises
+    TierguardError when no weight file can be found: a fingerprint that cannot tell a
+    fine-tune from its base must not name shared blocks."""
+    from tierguard.kv.weights_digest import weight_files, weights_digest
+
+    path = Path(model)
+    if path.is_file():
+        return weights_digest([path])
+    if not path.is_dir():
+        path = _hf_snapshot(model, revision, download_dir)
+    files = weight_files(path) if path is not None else []
+    if not files:
+        raise TierguardError(
+            f"TierguardConnector: no weight files found for {model!r} (looked for {', '.join(WEIGHT_PATTERNS)}); "
+            "the KV fingerprint needs the checkpoint's content"
+        )
+    return weights_digest(files)
+
+
+def _hf_snapshot(model: str, revision: str | None, download_dir: str | None) -> Path | None:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, revision=revision, cache_dir=download_dir, local_files_only=True))
+    except Exception:  # not in the local cache, or not a hub id
+        return None
 
 
 def geometry_from_spec(
@@ -121,12 +168,10 @@ def device_pool(kv_caches: Mapping[str, torch.Tensor], geometry: BlockGeometry) 
 
 
 def request_salt(fp: str, cache_salt: str | None) -> int:
-    """The parent of a request's first block hash: the fingerprint, mixed with vLLM's
-    per-request `cache_salt` when the request has one (salted prefixes never mix)."""
-    salt = fingerprint_salt(fp)
-    if not cache_salt:
-        return salt
-    return xxhash.xxh3_64_intdigest(salt.to_bytes(8, "little") + cache_salt.encode("utf-8"))
+    """The parent of a request's first block hash: the fingerprint's root, mixed with
+    vLLM's per-request `cache_salt` when the request has one (salted prefixes never mix),
+    exactly as our engine roots its chains (`root_hash`)."""
+    return root_hash(fingerprint_salt(fp), cache_salt)
 
 
 class RequestHashes:

@@ -1,27 +1,38 @@
-"""A stored block, medium-neutral: a 64-byte header, a checksum, and an optional codec.
+"""A stored block, medium-neutral: a 128-byte header, a checksum, and an optional codec.
 
-Every cold medium (local disk today; a remote store or an encrypted disk later) stores a
-block as `header + stored bytes`, where the stored bytes are the payload passed through a
-`BlockCodec` (identity by default; an AES-256-GCM codec encrypts them). The header names
-the block, so a reader can refuse a foreign, torn, stale or undecodable block and treat
-it as a miss:
+Every cold medium (local disk, Redis) stores a block as `header + stored bytes`, where
+the stored bytes are the payload passed through a `BlockCodec` (identity by default; an
+AES-256-GCM codec encrypts them). The header names the block, so a reader can refuse a
+foreign, torn, stale, misnamed or undecodable block and treat it as a miss:
 
     offset  size  field
     0       4     magic b"TGKV"
-    4       2     format version (2)
-    6       2     header length (64)
+    4       2     format version (3)
+    6       2     header length (128)
     8       16    fingerprint, ASCII hex (tierguard.kv.spec.fingerprint)
-    24      8     block hash (u64)
-    32      8     stored length in bytes (u64)
-    40      8     xxh3-64 of the stored bytes
-    48      2     codec id (0: identity)
-    50      2     reserved, zero
-    52      4     key id (0 for the identity codec)
-    56      8     xxh3-64 of bytes 0..55 (a torn header fails here)
+    24      32    block hash (256-bit, little-endian)
+    56      8     stored length in bytes (u64)
+    64      8     xxh3-64 of the stored bytes
+    72      2     codec id (0: identity)
+    74      2     reserved, zero
+    76      4     key id (0 for the identity codec)
+    80      40    reserved, zero
+    120     8     xxh3-64 of bytes 0..119 (a torn header fails here)
+
+The block hash is the whole SHA-256 chain value (tierguard/engine/prefix_hash.py): a
+digest of the model's root, the request's cache salt and every token id up to the end of
+the block. A reader serves a block only when the header's hash equals the one it computed
+from its own token ids (`identity_matches`), so a block made from other tokens, or copied
+under another name, is a miss (`verify_mismatch` in the tiers' counters), never wrong KV.
+Blocks of an older format version fail `decode_header` and are misses too.
 
 The payload starts on a 64-byte boundary, so with the identity codec it is read straight
 into a host slot. The associated data a codec must bind is `associated_data(fp, hash)`:
 a block copied under another name or fingerprint does not decode.
+
+What the header cannot do without a key: the checksums are unkeyed, so whoever can write
+to the medium can store garbage KV under a name it computed from tokens it knows. Only
+an authenticating codec (`--kv-encrypt-key-file`) rules that out (docs/cold-contract.md).
 """
 
 from __future__ import annotations
@@ -33,11 +44,13 @@ from typing import Protocol
 import xxhash
 
 MAGIC = b"TGKV"
-VERSION = 2
-HEADER_LEN = 64
-_HEAD = struct.Struct("<4sHH16sQQQHHI")  # fields up to the header checksum (56 bytes)
+VERSION = 3
+HEADER_LEN = 128
+HASH_BYTES = 32  # tierguard.engine.prefix_hash.HASH_BYTES
+_HEAD = struct.Struct("<4sHH16s32sQQHHI40x")  # fields up to the header checksum (120 bytes)
 _TAIL = struct.Struct("<Q")
 U64_MAX = 2**64 - 1
+HASH_MAX = 2 ** (8 * HASH_BYTES) - 1
 IDENTITY_CODEC = 0
 
 
@@ -65,7 +78,7 @@ def encode_header(h: Header) -> bytes:
         VERSION,
         HEADER_LEN,
         h.fingerprint.encode("ascii"),
-        h.block_hash,
+        h.block_hash.to_bytes(HASH_BYTES, "little"),
         h.payload_len,
         h.payload_xxh3,
         h.codec,
@@ -76,21 +89,24 @@ def encode_header(h: Header) -> bytes:
 
 
 def decode_header(raw: bytes | bytearray | memoryview) -> Header:
-    raw = bytes(raw)
+    raw = bytes(raw[:HEADER_LEN])
+    if len(raw) < 8:
+        raise BadHeader(f"short header ({len(raw)} bytes)")
+    magic, version, header_len = struct.unpack_from("<4sHH", raw)
+    if magic != MAGIC:
+        raise BadHeader("bad magic")
+    if version != VERSION or header_len != HEADER_LEN:  # an older format is a miss, never parsed
+        raise BadHeader(f"unsupported version {version} / header length {header_len}")
     if len(raw) < HEADER_LEN:
         raise BadHeader(f"short header ({len(raw)} bytes)")
     head = raw[: _HEAD.size]
-    magic, version, header_len, fp, block_hash, payload_len, payload_xxh, codec, _r, key_id = _HEAD.unpack(
-        head
-    )
+    _m, _v, _l, fp, block_hash, payload_len, payload_xxh, codec, _r, key_id = _HEAD.unpack(head)
     (head_xxh,) = _TAIL.unpack(raw[_HEAD.size : HEADER_LEN])
-    if magic != MAGIC:
-        raise BadHeader("bad magic")
-    if version != VERSION or header_len != HEADER_LEN:
-        raise BadHeader(f"unsupported version {version} / header length {header_len}")
     if checksum(head) != head_xxh:
         raise BadHeader("header checksum mismatch")
-    return Header(fp.decode("ascii", "replace"), block_hash, payload_len, payload_xxh, codec, key_id)
+    return Header(
+        fp.decode("ascii", "replace"), int.from_bytes(block_hash, "little"), payload_len, payload_xxh, codec, key_id
+    )
 
 
 def is_fingerprint(text: str) -> bool:
@@ -98,9 +114,15 @@ def is_fingerprint(text: str) -> bool:
     return len(text) == 16 and all(c in "0123456789abcdef" for c in text)
 
 
+def check_hash(block_hash: int) -> None:
+    """Refuse a name that is not a block hash (an int in [0, 2**256))."""
+    if not 0 <= block_hash <= HASH_MAX:
+        raise ValueError(f"block hash must be an unsigned {8 * HASH_BYTES}-bit int, got {block_hash}")
+
+
 def associated_data(fingerprint: str, block_hash: int) -> bytes:
     """What an authenticating codec binds a block's bytes to."""
-    return fingerprint.encode("ascii") + block_hash.to_bytes(8, "little")
+    return fingerprint.encode("ascii") + block_hash.to_bytes(HASH_BYTES, "little")
 
 
 class BlockCodec(Protocol):
@@ -170,16 +192,22 @@ def sealed_with_old_key(codec: BlockCodec, header: Header) -> bool:
 
 def header_for(fingerprint: str, block_hash: int, stored: memoryview, codec: BlockCodec = IDENTITY) -> Header:
     """The header of `stored` (the codec's output), checksummed."""
-    if not 0 <= block_hash <= U64_MAX:
-        raise ValueError(f"block hash must be an unsigned 64-bit int, got {block_hash}")
+    check_hash(block_hash)
     return Header(fingerprint, block_hash, stored.nbytes, checksum(stored), codec.codec_id, codec.key_id)
 
 
+def identity_matches(header: Header, fingerprint: str, block_hash: int) -> bool:
+    """Whether the block is the one the reader asked for: the same fingerprint and the
+    same 256-bit hash, the digest of the reader's own token ids. False means a block made
+    from other tokens (or by another model) sits under this name: a miss, never served."""
+    return header.fingerprint == fingerprint and header.block_hash == block_hash
+
+
 def verify(header: Header, fingerprint: str, block_hash: int, stored: memoryview) -> bool:
-    """True if `stored` is the whole, intact block this header names."""
+    """True if `stored` is the whole, intact block this header names, and that block is
+    the reader's (`identity_matches`)."""
     return (
-        header.fingerprint == fingerprint
-        and header.block_hash == block_hash
+        identity_matches(header, fingerprint, block_hash)
         and header.payload_len == stored.nbytes
         and checksum(stored) == header.payload_xxh3
     )

@@ -1,11 +1,12 @@
 """Block files of the disk tier: names, the directory scan, and raw file I/O.
 
-`<root>/<fingerprint>/<hash:016x>.kvb` holds one block in the medium-neutral format of
-tierguard/kv/media/block_format.py (64-byte header, then the stored bytes). Temporary files are
-`.tmp-<hash:016x>-<pid>-<seq>`. Only the holder of the directory's lock (owner.py) writes
-under it, so a temporary file found by the next holder is a leftover of a kill -9, whatever
-the pid in its name says (pids repeat and mean nothing across PID namespaces); the pid is
-for people, and a name whose pid or sequence is out of range is not one of ours.
+`<root>/<fingerprint>/<hash:064x>.kvb` holds one block in the medium-neutral format of
+tierguard/kv/media/block_format.py (128-byte header, then the stored bytes); the name is the
+block's whole 256-bit hash. Temporary files are `.tmp-<low 64 bits of the hash:016x>-<pid>-<seq>`.
+Only the holder of the directory's lock (owner.py) writes under it, so a temporary file found
+by the next holder is a leftover of a kill -9, whatever the pid in its name says (pids repeat
+and mean nothing across PID namespaces); the pid is for people, and a name whose pid or
+sequence is out of range is not one of ours.
 """
 
 from __future__ import annotations
@@ -36,16 +37,19 @@ __all__ = [
 
 OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC  # never follow a symlink planted in the tier directory
 
-BLOCK_RE = re.compile(r"^([0-9a-f]{16})\.kvb$")
+BLOCK_RE = re.compile(r"^([0-9a-f]{64})\.kvb$")
+# Block files of the previous format (64-bit names). Every fingerprint changed with the
+# format, so they sit only in old fingerprints' directories, where old_dirs.py counts them.
+PREVIOUS_BLOCK_RE = re.compile(r"^[0-9a-f]{16}\.kvb$")
 TEMP_RE = re.compile(r"^\.tmp-([0-9a-f]{16})-([0-9]{1,7})-([0-9]{1,19})$")
 
 
 def block_name(block_hash: int) -> str:
-    return f"{block_hash:016x}.kvb"
+    return f"{block_hash:064x}.kvb"
 
 
 def temp_name(block_hash: int, pid: int, seq: int) -> str:
-    return f".tmp-{block_hash:016x}-{pid}-{seq}"
+    return f".tmp-{block_hash & U64_MAX:016x}-{pid}-{seq}"
 
 
 def as_buffer(obj: torch.Tensor | bytes | bytearray | memoryview) -> memoryview:

@@ -7,7 +7,8 @@ directory), so no live server owns them: they count against the budget, and when
 needs room they go first, oldest file first (their mtime is their last use), before any
 block of the running model. A directory is removed once the files it held are gone.
 
-Only what the tier named is counted or removed: `<16 hex>.kvb` files and temporary files,
+Only what the tier named is counted or removed: `<64 hex>.kvb` files (and `<16 hex>.kvb`, the
+previous format's names, left by an upgrade) and temporary files,
 regular files only; symlinks, other names and subdirectories are left alone (and with
 them the directory that holds them). Scanned once at start: while the lock is held
 nobody else writes there, and a file an operator removes meanwhile is subtracted when
@@ -63,7 +64,8 @@ class OldDirs:
             return  # a symlink, a file, unreadable: not ours
         try:
             for entry in os.scandir(dir_fd):
-                if not (fmt.BLOCK_RE.match(entry.name) or fmt.is_temp_name(entry.name)):
+                if not (fmt.BLOCK_RE.match(entry.name) or fmt.PREVIOUS_BLOCK_RE.match(entry.name)
+                        or fmt.is_temp_name(entry.name)):
                     continue
                 if not entry.is_file(follow_symlinks=False):
                     continue

@@ -70,8 +70,8 @@ from tierguard.kv.spec import is_fingerprint
 
 _OPEN_FLAGS = fmt.OPEN_FLAGS
 _COUNTERS = (
-    "hits misses writes write_bytes read_bytes corrupt undecodable io_errors write_errors evictions "
-    "rejected_writes reads_in_decode cleaned_on_start expired resealed plaintext_removed"
+    "hits misses writes write_bytes read_bytes corrupt undecodable verify_mismatch io_errors write_errors "
+    "evictions rejected_writes reads_in_decode cleaned_on_start expired resealed plaintext_removed"
     " writes_disabled writes_reenabled write_probes write_probe_failures old_fingerprint_removed"
 ).split()
 
@@ -93,6 +93,9 @@ class DiskTierStats:
     read_bytes: int = counter("Bytes read from block files.")
     corrupt: int = counter("Block files with a bad checksum or header, removed.")
     undecodable: int = counter("Blocks the codec could not decode (e.g. another key); kept on disk.")
+    verify_mismatch: int = counter(
+        "Block files whose header names another block or model than the reader's tokens (forged or misnamed), removed."
+    )
     io_errors: int = counter("Disk reads that failed with an I/O error.")
     write_errors: int = counter("Disk writes that failed.")
     evictions: int = counter("Block files removed to stay within the budget.")
@@ -286,8 +289,7 @@ class DiskTier(DiskUpkeep, WriteRecovery, ColdMedium):
         return results
 
     def _write_one(self, block_hash: int, payload: memoryview) -> bool:
-        if not 0 <= block_hash <= fmt.U64_MAX:
-            raise ValueError(f"block hash must be an unsigned 64-bit int, got {block_hash}")
+        blk.check_hash(block_hash)
         size = fmt.HEADER_LEN + self.codec.stored_len(payload.nbytes)
         with self._lock:
             if not self.writes_enabled or self._dir_fd is None or size > self.capacity_bytes:
@@ -460,7 +462,8 @@ class DiskTier(DiskUpkeep, WriteRecovery, ColdMedium):
                 return False
             return self._miss(block_hash, why, unlink=False)
         codec = self.codec
-        why = ""  # "" | "corrupt" (removed) | "undecodable" (kept: another key or codec may read it)
+        # "" | "corrupt" or "verify_mismatch" (removed) | "undecodable" (kept: another key or codec may read it)
+        why = ""
         try:
             head = bytearray(fmt.HEADER_LEN)
             direct = codec.codec_id == blk.IDENTITY_CODEC
@@ -468,7 +471,9 @@ class DiskTier(DiskUpkeep, WriteRecovery, ColdMedium):
             stored = dst if direct else memoryview(bytearray(codec.stored_len(dst.nbytes)))
             whole = fmt.read_all(fd, memoryview(head), stored)  # one I/O for header and payload
             header = blk.decode_header(head)
-            if header.codec != codec.codec_id:
+            if not blk.identity_matches(header, self.fingerprint, block_hash):
+                why = "verify_mismatch"  # made from other tokens or by another model: never served
+            elif header.codec != codec.codec_id:
                 why = "undecodable"
             elif not (
                 whole
@@ -488,7 +493,7 @@ class DiskTier(DiskUpkeep, WriteRecovery, ColdMedium):
         finally:
             os.close(fd)
         if why:
-            return self._miss(block_hash, why, unlink=why == "corrupt")
+            return self._miss(block_hash, why, unlink=why in ("corrupt", "verify_mismatch"))
         with self._lock:
             self._c["hits"] += 1
             self._c["read_bytes"] += fmt.HEADER_LEN + dst.nbytes

@@ -7,7 +7,7 @@ a network round trip is forbidden. The index answers from memory; a load then co
 Filled from two sources:
 - this replica's own writes (`add_own`, after Redis acknowledged the SETs);
 - the journal: a Redis stream `<ns>:<fingerprint>:journal` every replica appends one
-  entry to per write job (`put`: the packed u64 hashes it stored; `del`: those it deleted
+  entry to per write job (`put`: the packed 256-bit hashes it stored; `del`: those it deleted
   to stay within its budget). `refresh` reads the entries after its cursor (server-
   assigned, monotonic stream ids: nothing is read twice or skipped) on the remote tier's
   refresh thread. Writers trim entries older than the TTL (`MINID`), so the stream holds
@@ -43,13 +43,16 @@ from tierguard.kv.lru import LRUPolicy
 PAGE = 1000  # journal entries per XRANGE
 
 
+HASH_BYTES = 32  # a block hash (tierguard/engine/prefix_hash.py), as journal entries carry it
+
+
 def pack(hashes: list[int]) -> bytes:
-    return b"".join(h.to_bytes(8, "little") for h in hashes)
+    return b"".join(h.to_bytes(HASH_BYTES, "little") for h in hashes)
 
 
 def unpack(raw: bytes | None) -> list[int]:
-    raw = raw or b""
-    return [int.from_bytes(raw[i : i + 8], "little") for i in range(0, len(raw) - len(raw) % 8, 8)]
+    raw, n = raw or b"", HASH_BYTES
+    return [int.from_bytes(raw[i : i + n], "little") for i in range(0, len(raw) - len(raw) % n, n)]
 
 
 class RemoteIndex:

@@ -9,8 +9,10 @@ interface.
 What it promises (the cold contract's remote half, docs/cold-contract.md):
 - Stored bytes are block_format.py blocks (header, xxh3, the configured `BlockCodec`, so
   an encrypting codec covers remote blocks too), one key per block:
-  `<ns>:<fingerprint>:<hash as 16 hex>`, written with a TTL (`ttl_s`). The fingerprint
-  names model, dtype, block size and layout, so another model never reads them.
+  `<ns>:<fingerprint>:<hash as 64 hex>`, written with a TTL (`ttl_s`). The fingerprint
+  names model, dtype, block size and layout, so another model never reads them; the
+  header's 256-bit hash must equal the reader's (block_format.py), so a value made from
+  other tokens is a counted `verify_mismatch`, deleted, never served.
 - `contains` never goes to the network: it asks the local index (remote_index.py) of
   blocks known to be in Redis, filled by this replica's writes and by a background
   refresh of the shared journal (a Redis stream other replicas append to). A load
@@ -62,7 +64,7 @@ log = logging.getLogger("tierguard.kv.remote")
 # A node cannot be reached (or cannot serve its slots): its breaker counts these.
 UNREACHABLE = (RedisConnectionError, RedisTimeoutError, ClusterDownError, RedisClusterException)
 _COUNTERS = (
-    "misses expired corrupt undecodable errors unavailable writes write_bytes read_bytes write_errors "
+    "misses expired corrupt undecodable verify_mismatch errors unavailable writes write_bytes read_bytes write_errors "
     "rejected_writes evictions learned forgotten refreshes index_resets reads_in_decode"
 ).split()
 
@@ -86,6 +88,9 @@ class RemoteTierStats:
     expired: int = counter("Indexed blocks Redis no longer held (TTL, eviction, restart).")
     corrupt: int = counter("Remote blocks with a bad header or checksum, deleted.")
     undecodable: int = counter("Remote blocks the codec could not decode (e.g. another key); kept.")
+    verify_mismatch: int = counter(
+        "Remote blocks whose header names another block or model than the reader's tokens (forged or misnamed), deleted."
+    )
     errors: int = counter("Redis round trips that failed (refused, timed out, error reply).")
     unavailable: int = counter("Blocks refused without a round trip while the breaker was open.")
     writes: int = counter("Blocks written to the remote tier.")
@@ -176,7 +181,7 @@ class RemoteTier(ColdMedium):
         return f"redis unreachable: {'; '.join(failing)}" if failing else ""
 
     def key(self, block_hash: int) -> str:
-        return f"{self._prefix}{block_hash:016x}"
+        return f"{self._prefix}{block_hash:064x}"
 
     def contains(self, block_hash: int) -> bool:
         """Index lookup only (no network), so it is safe anywhere, including inside decode."""
@@ -347,7 +352,8 @@ class RemoteTier(ColdMedium):
                     self._count(errors=1)
                 else:
                     values[p] = reply
-        results, gone, corrupt, why = [], [], [], {"expired": 0, "corrupt": 0, "undecodable": 0}
+        results, gone, corrupt = [], [], []
+        why = {"expired": 0, "corrupt": 0, "undecodable": 0, "verify_mismatch": 0}
         read_bytes = 0
         for p, ((h, out), value) in enumerate(zip(items, values, strict=True)):
             if p in down:
@@ -358,7 +364,7 @@ class RemoteTier(ColdMedium):
             if verdict:
                 why[verdict] += 1
                 gone.append(h)
-                if verdict == "corrupt":
+                if verdict in ("corrupt", "verify_mismatch"):
                     corrupt.append(h)
             else:
                 read_bytes += len(value)
@@ -376,13 +382,16 @@ class RemoteTier(ColdMedium):
             self._store([], hashes, next(iter(routes)))
 
     def _decode(self, block_hash: int, value: bytes, dst: memoryview) -> str:
-        """Empty when `dst` holds the block; else why not: "corrupt" or "undecodable"."""
+        """Empty when `dst` holds the block; else why not: "verify_mismatch" (the value
+        names another block or model: made from other tokens), "corrupt" or "undecodable"."""
         mv = memoryview(value)
         try:
             header = blk.decode_header(mv[: blk.HEADER_LEN])
         except blk.BadHeader:
             return "corrupt"
         stored = mv[blk.HEADER_LEN :]
+        if not blk.identity_matches(header, self.fingerprint, block_hash):
+            return "verify_mismatch"
         if header.codec != self.codec.codec_id:
             return "undecodable"
         if not blk.verify(header, self.fingerprint, block_hash, stored):
