@@ -69,6 +69,8 @@ HF_PARITY = "tests/engine/test_hf_parity.py::test_batched_chunked_prefill_and_pr
 HF_PARITY_PER_OP = "tests/engine/test_hf_parity.py::test_parity_variants[qwen3]"
 REMOTE_GUARD = "tests/engine/test_remote_tier_engine.py::test_a_prefix_written_by_one_engine_is_loaded_by_another"
 VLLM_LOGIC = "tests/integrations/test_vllm_connector_logic.py"
+PREDICTED = "tests/gate/test_predicted_admission.py::"  # predicted-TTFT admission on a pinned clock
+GATE = ("tierguard/gate/**/*.py",)
 
 MUTANTS = [
     Mutant(
@@ -350,6 +352,49 @@ MUTANTS = [
         "acc[m] += xe * we;",
         ("tests/model/test_bf16_kernels.py::test_fallback_builds_compute_the_same",),
         slow=True,
+    ),
+    Mutant(
+        "predicted admission: the prediction is ignored (everything admitted)",
+        GATE,
+        "            if upper > slo:\n",
+        "            if False:\n",
+        (PREDICTED + "test_over_the_slo_is_429_with_retry_after_the_predicted_wait",),
+    ),
+    Mutant(
+        "predicted admission: Retry-After is the whole predicted TTFT, not the predicted wait",
+        GATE,
+        "wait = max(0.0, pred - alone)",
+        "wait = max(0.0, pred)",
+        (PREDICTED + "test_over_the_slo_is_429_with_retry_after_the_predicted_wait",),
+    ),
+    Mutant(
+        "predicted admission: a request that waited out its budget is overtaken",
+        GATE,
+        "return due + [e for e in waiting if e.due_at > now]",
+        "return waiting",
+        (PREDICTED + "test_a_request_that_waited_its_budget_is_never_overtaken",),
+    ),
+    Mutant(
+        "predicted admission: batch goes before interactive",
+        GATE,
+        'RANKS = {"interactive": 0, "batch": 1}',
+        'RANKS = {"interactive": 1, "batch": 0}',
+        (PREDICTED + "test_interactive_goes_before_batch",),
+    ),
+    Mutant(
+        "predicted admission: a booked retry is priced as a new request",
+        GATE,
+        "if info.key is not None and not info.background and info.key in self._bookings:",
+        "if False:",
+        (PREDICTED + "test_a_rejected_client_that_retries_as_told_takes_its_place",),
+    ),
+    Mutant(
+        "predicted admission: the online fit never learns",
+        GATE,
+        "        if not self.learn:\n            return r",
+        "        if True:\n            return r",
+        (PREDICTED + "test_the_fit_converges_to_a_known_cost_and_follows_it_when_it_changes",
+         "tests/gate/test_predicted_gate.py::test_a_calibration_wrong_by_2x_is_corrected_online_and_its_error_shows"),
     ),
 ]
 FAST = [m for m in MUTANTS if not m.slow]
