@@ -34,10 +34,11 @@ class Clock:
         return self.t
 
 
-def controller(clock: Clock, interactive_ms: float = 5000, batch_ms: float = 20000, **policy) -> PredictedAdmission:
+def controller(clock: Clock, interactive_ms: float = 5000, batch_ms: float = 20000, shared=None,
+               **policy) -> PredictedAdmission:
     prior = Prior([0.0, PER_TOKEN, 0.0, 0.0, 0.0], CHUNK, rel_sd=0.05, source="test", weight=8.0)
     opts = PredictedOptions({"interactive": interactive_ms / 1000, "batch": batch_ms / 1000}, [prior], online=False)
-    return PredictedAdmission(AdmissionPolicy(**policy), opts, ["http://upstream"], clock=clock)
+    return PredictedAdmission(AdmissionPolicy(**policy), opts, ["http://upstream"], clock=clock, shared=shared)
 
 
 def info(tokens: int, priority: str = "interactive", key: str | None = None) -> RequestInfo:
@@ -258,3 +259,37 @@ def test_math_of_the_closed_form():
     assert features(250, 9.0, 10, 100) == [1.0, 250.0, 9.0, 3.0, 30.0]  # 90 prefill tokens a step
     assert keys_of(4) == 10.0 and math.isclose(OnlineFit(Prior([0.1, 0.001, 0, 0, 0])).predict(
         features(100, 0, 0, 1024)), 0.2)
+
+
+def test_gates_in_front_of_one_upstream_price_each_others_queued_work(redis_server):
+    from tierguard.gate.ttft_shared import SharedWork
+
+    async def go():
+        clock = Clock()
+        gates = [controller(clock, shared=SharedWork(redis_server.url, prefix="t:pred", lease_ms=600))
+                 for _ in range(2)]
+        for g in gates:
+            await g.start()
+        a, b = gates
+        held = await a.acquire(info(200))  # 2 s of prefill sent by gate a
+        queued = asyncio.ensure_future(a.acquire(info(100)))  # and 1 s waiting there
+        await settle()
+        await a.shared.publish_once()
+        await b.shared.publish_once()
+        others = b.upstreams[0].others
+        assert (others.tokens, others.sent_tokens) == (300, 200) and b.shared.live_gates == 2
+        with pytest.raises(Rejected) as r:  # 3 s at gate a + 2.5 s of its own > 5 s
+            await b.acquire(info(250))
+        assert r.value.retry_after_s == 3
+        redis_server.kill()  # gate b keeps a's last figures for one lease, then prices alone
+        await b.shared.publish_once()
+        assert not b.shared.up and b.upstreams[0].others.tokens == 300
+        await asyncio.sleep(0.7)
+        await b.shared.publish_once()
+        assert b.upstreams[0].others.tokens == 0 and b.shared.errors >= 2
+        a.release(held)
+        a.release(await queued)
+        for g in gates:
+            await g.close()
+
+    asyncio.run(go())
