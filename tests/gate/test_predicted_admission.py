@@ -145,6 +145,16 @@ def test_options_are_checked_with_messages_that_name_them():
         calibration_files(["2=x.json"], urls)
     with pytest.raises(TierguardError, match="not one of the --upstream"):
         calibration_files(["http://c:3=x.json"], urls)
+    from tierguard.gate.policy import build_settings
+
+    ok = build_settings({"upstream": "http://a:1", "admission": "predicted", "ttft_online": "off"})
+    assert ok.admission == "predicted"
+    for bad, words in (({"admission": "guess"}, "--admission must be one of static, predicted"),
+                       ({"admission": "predicted", "ttft_calibration": ["/nonexistent.json"]}, "cannot read it"),
+                       ({"admission": "predicted", "ttft_online": "maybe"}, "--ttft-online must be on or off"),
+                       ({"admission": "predicted", "ttft_chunk_tokens": 0}, "--ttft-chunk-tokens")):
+        with pytest.raises(TierguardError, match=words):
+            build_settings({"upstream": "http://a:1", **bad})
 
 
 def test_over_the_slo_is_429_with_retry_after_the_predicted_wait():

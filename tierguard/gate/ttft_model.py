@@ -21,10 +21,10 @@ nothing; either way the online fit then follows the upstream's own answers.
 
 **The online fit** (`OnlineFit`): exponentially weighted least squares, relative (each
 observation weighted by 1 / its predicted TTFT², so short requests count as much as long
-ones), non-negative, pulled towards the prior by `prior_weight` pseudo-observations, with
-a forgetting factor of 1 - 1/`window` so that it follows a changing load mix and a prior
-that was wrong. The prior term keeps the normal equations regular (no covariance wind-up
-in directions the traffic never excites). Residuals beyond a few spreads are down-weighted
+ones), non-negative, with a forgetting factor of 1 - 1/`window` so that it follows a
+changing load mix and a prior that was wrong. The prior counts as `Prior.weight`
+observations of the size the data has in each direction, and keeps the normal equations regular (no covariance wind-up in
+directions the traffic never excites). Residuals beyond a few spreads are down-weighted
 (Huber). Its uncertainty: the spread of the relative residuals (`rel_sd`, from their mean
 absolute value over the last window/4 answers) and each coefficient's standard error.
 """
@@ -145,13 +145,11 @@ class OnlineFit:
         self.forget_error = 1.0 - 1.0 / max(10, window // 4)  # the spread follows faster than the fit
         c = prior.chunk
         self.scale = np.array([1.0, c, c * c / 2.0, 1.0, TYPICAL_DECODES], dtype=float)
-        z0 = np.asarray(prior.coef, dtype=float) * self.scale  # seconds per scaled unit
-        ref = max(float(z0.sum()), 0.1)  # a typical TTFT at one chunk of work
-        self._z0 = z0
-        self._p = np.eye(len(TERMS)) * (prior.weight / ref**2)
+        self._z0 = np.asarray(prior.coef, dtype=float) * self.scale  # seconds per scaled unit
         self._a = np.zeros((len(TERMS), len(TERMS)))
+        self._nfit = 0.0  # the observations in the fit, forgetting counted
         self._b = np.zeros(len(TERMS))
-        self._z = z0.copy()
+        self._z = self._z0.copy()
         self._abs = 0.0  # weighted sum of absolute relative residuals
         self._w0 = 4.0  # the weight of the prior's spread
         self._bias = 0.0  # weighted sum of relative residuals
@@ -176,7 +174,7 @@ class OnlineFit:
     def coef_sd(self) -> list[float]:
         """Standard error of each coefficient (seconds per unit)."""
         try:
-            cov = np.linalg.inv(self._a + self._p) * self.rel_sd**2
+            cov = np.linalg.inv(self._a + self._prior_matrix()) * self.rel_sd**2
         except np.linalg.LinAlgError:
             return [math.inf] * len(TERMS)
         return [float(x) for x in np.sqrt(np.maximum(np.diag(cov), 0.0)) / self.scale]
@@ -209,13 +207,23 @@ class OnlineFit:
         w = huber / max(predicted, measured_s, FLOOR_S) ** 2
         self._a = lam * self._a + w * np.outer(z, z)
         self._b = lam * self._b + w * z * measured_s
+        self._nfit = lam * self._nfit + 1.0
         self._solve()
         return r
 
+    def _prior_matrix(self) -> np.ndarray:
+        """The prior as `prior.weight` observations of the size the data has in each direction
+        (whatever the scale of the TTFTs), and a trace of regularization where the traffic
+        never reached (those coefficients stay at the prior's)."""
+        d = np.diag(self._a)
+        eps = 1e-6 * max(float(d.max()) if d.size else 0.0, 1e-12)
+        return np.diag(self.prior.weight / max(self._nfit, 1.0) * d + eps)
+
     def _solve(self) -> None:
         """min (z - zhat)' M (z - zhat) over z >= 0, M = A + P: NNLS on M's Cholesky factor."""
-        m = self._a + self._p
-        rhs = self._b + self._p @ self._z0
+        p = self._prior_matrix()
+        m = self._a + p
+        rhs = self._b + p @ self._z0
         try:
             upper = np.linalg.cholesky(m).T  # M = U'U
             target = np.linalg.solve(upper.T, rhs)
