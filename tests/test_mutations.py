@@ -384,7 +384,7 @@ MUTANTS = [
     Mutant(
         "predicted admission: a booked retry is priced as a new request",
         GATE,
-        "if info.key is not None and not info.background and info.key in self._bookings:",
+        "if info.key is not None and not info.background and info.key in self.bookings:",
         "if False:",
         (PREDICTED + "test_a_rejected_client_that_retries_as_told_takes_its_place",),
     ),

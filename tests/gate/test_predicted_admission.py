@@ -253,11 +253,11 @@ def test_a_rejected_client_that_retries_as_told_takes_its_place():
         big = await c.acquire(info(400))  # 4 s
         with pytest.raises(Rejected):
             await c.acquire(info(200, key="never-back"))  # 6 s: booked
-        share = c.show_share
+        share = c.bookings.show_share
         clock.t += 60
         c.retry_after_s("interactive")
         c._expire(clock.t)  # its client never came back: dropped, and bookings count for less
-        assert not c._bookings and c.bookings.expired == 1 and c.show_share < share
+        assert not len(c.bookings) and c.bookings.expired == 1 and c.bookings.show_share < share
         c.release(big)
         c.check_integrity()
 

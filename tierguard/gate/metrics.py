@@ -236,14 +236,14 @@ class PredictionCollector:
             decodes.add_metric([u.url], u.decodes())
         b = c.bookings
         booked = GaugeMetricFamily("tierguard_gate_ttft_bookings", "Places kept for rejected clients' retries")
-        booked.add_metric([], len(c._bookings))
+        booked.add_metric([], len(b))
         outcomes = CounterMetricFamily("tierguard_gate_ttft_booking_outcomes", "Bookings made, claimed by the "
                                        "retry, expired unclaimed", labels=["outcome"])
         for name, n in (("made", b.made), ("claimed", b.claimed), ("expired", b.expired)):
             outcomes.add_metric([name], n)
         share = GaugeMetricFamily("tierguard_gate_ttft_booking_show_share",
                                   "Share of booked clients that came back (bookings count by it)")
-        share.add_metric([], c.show_share)
+        share.add_metric([], b.show_share)
         out = [err, abs_err, coef, coef_sd, spread, bias, seen, work, decodes, booked, outcomes, share]
         if c.shared is not None:
             up = GaugeMetricFamily("tierguard_gate_ttft_shared_up", "1: other gates' work is read from Redis")

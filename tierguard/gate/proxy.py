@@ -23,7 +23,7 @@ from tierguard.gate.routing import RouteDecision
 from tierguard.gate.state import GATE, GateState
 from tierguard.gate.tokens_fit import chat_bytes, text_bytes
 from tierguard.gate.trim import can_trim, trim_messages
-from tierguard.gate.ttft_admission import request_key
+from tierguard.gate.ttft_bookings import request_key
 from tierguard.gate.upstreams import SESSION_HEADER
 from tierguard.kv.contract import CLASS_HEADER, CLASS_HEADER_ALIAS
 

@@ -16,11 +16,8 @@ jobs last, FIFO within a class. Nothing starves: a request that has waited its b
 (its SLO less its own service and one step) goes before every request that has not, in
 the order their budgets ran out, so it is never overtaken.
 
-A rejected client is told when to come back and its place is kept (a *booking*, keyed by
-`RequestInfo.key`: the tenant, the prompt's size and its ends): its retry, on time or not,
-takes the place it had, so a client that waits as told finds room. Until it comes back,
-a booking counts as work ahead of arrivals that it will precede, weighted by the share
-of clients that did come back; one not back within a grace period is dropped.
+A rejected client is told when to come back and its place is kept (`ttft_bookings.py`):
+its retry takes the place it had, so a client that waits as told finds room.
 
 The same interface as `AdmissionController` (acquire, release, classify, record, stats,
 check_input, check_integrity). One event loop, not thread-safe.
@@ -29,14 +26,11 @@ check_input, check_integrity). One event loop, not thread-safe.
 from __future__ import annotations
 
 import asyncio
-import heapq
 import math
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-
-import xxhash
 
 from tierguard.gate.admission import (
     AdmissionController,
@@ -48,6 +42,7 @@ from tierguard.gate.admission import (
     Ticket,
 )
 from tierguard.gate.policy import AdmissionPolicy
+from tierguard.gate.ttft_bookings import Bookings
 from tierguard.gate.ttft_model import FLOOR_S, OnlineFit, keys_of
 from tierguard.gate.ttft_options import PredictedOptions
 from tierguard.gate.ttft_upstream import Entry, Sent, UpstreamWork
@@ -55,26 +50,7 @@ from tierguard.gate.ttft_upstream import Entry, Sent, UpstreamWork
 RANKS = {"interactive": 0, "batch": 1}
 JOB_RANK = 2
 Z = 2.0  # admitted when prediction + Z x spread is within the SLO
-BOOKING_HORIZON_S = 60.0  # no booking for a wait longer than this
-MAX_BOOKINGS = 1024
-SHOW_ALPHA = 0.05  # how fast the share of returning clients follows
 MIN_TRIM_TOKENS = 16  # a trim that leaves less is no answer
-
-
-def request_key(body: dict, owner: str | None, tokens: int) -> str:
-    """Who sent what, cheaply (bounded: the ends of the prompt, not all of it): a retry of
-    the same request has the same key."""
-    prompt = body.get("prompt")
-    if not isinstance(prompt, str):
-        messages = body.get("messages")
-        last = messages[-1] if isinstance(messages, list) and messages else None
-        content = last.get("content") if isinstance(last, dict) else prompt
-        prompt = content if isinstance(content, str) else repr(content)[:4096]
-    h = xxhash.xxh64()
-    for part in (str(owner), str(body.get("model")), str(tokens), str(len(prompt)), prompt[:512], prompt[-512:]):
-        h.update(part.encode("utf-8", "replace"))
-        h.update(b"\x00")
-    return h.hexdigest()
 
 
 @dataclass
@@ -91,13 +67,6 @@ class PredictedTicket(Ticket):
         """The upstream's first byte for this request reached the gate at `at` (monotonic)."""
         if self._owner is not None:
             self._owner.first_byte(self, at)
-
-
-@dataclass
-class BookingCounters:
-    made: int = 0
-    claimed: int = 0
-    expired: int = 0
 
 
 class PredictedAdmission:
@@ -119,10 +88,7 @@ class PredictedAdmission:
         self._decisions: Counter[tuple[str, str]] = Counter()
         self._in_flight = {"interactive": 0, "batch": 0}
         self._waiting = {"interactive": 0, "batch": 0}
-        self._bookings: dict[str, tuple[int, Entry]] = {}
-        self._expiry: list[tuple[float, int, str]] = []
-        self.show_share = 0.5  # share of booked clients that came back
-        self.bookings = BookingCounters()
+        self.bookings = Bookings()
 
     # ---- lifecycle ---------------------------------------------------------------------
     def attach(self, healthy: Callable[[int], bool]) -> None:
@@ -152,7 +118,7 @@ class PredictedAdmission:
     def retry_after_s(self, klass: str) -> int:
         """Seconds until the work ahead of a new request of `klass` is done, at the least loaded upstream."""
         now = self.clock()
-        waits = [u.predict(*u.ahead(now, RANKS.get(klass, 0), self.show_share))[0] for u in self.upstreams]
+        waits = [u.predict(*u.ahead(now, RANKS.get(klass, 0), self.bookings.show_share))[0] for u in self.upstreams]
         return max(1, math.ceil(min(waits)))
 
     def stats(self) -> AdmissionStats:
@@ -178,8 +144,8 @@ class PredictedAdmission:
         rank = JOB_RANK if info.background else RANKS[klass]
         now = self.clock()
         self._expire(now)
-        if info.key is not None and not info.background and info.key in self._bookings:
-            index, entry = self._bookings.pop(info.key)
+        if info.key is not None and not info.background and info.key in self.bookings:
+            index, entry = self.bookings.claim(info.key)
             return await self._claim(self.upstreams[index], entry, now, info, max_wait_s)
         tokens = max(1, info.input_tokens)
         keys = keys_of(tokens)
@@ -230,7 +196,7 @@ class PredictedAdmission:
         candidates = [u for u in self.upstreams if self._healthy(u.index)] or self.upstreams
         for u in candidates:
             alone, _ = u.predict(tokens, keys)
-            w, k = u.ahead(now, rank, self.show_share, alone)
+            w, k = u.ahead(now, rank, self.bookings.show_share, alone)
             pred, _ = u.predict(w + tokens, k + keys)
             upper = pred + Z * u.fit.rel_sd * max(pred, FLOOR_S)
             cand = (upper, u.in_flight(), u.index, pred, alone)
@@ -263,8 +229,10 @@ class PredictedAdmission:
             if MIN_TRIM_TOKENS <= fits < info.input_tokens:
                 self.record("downgrade", reason)
                 raise Downgrade(reason, f"{why}; trimming old turns to {fits} tokens", fits)
-        if info.key is not None and wait <= BOOKING_HORIZON_S and len(self._bookings) < MAX_BOOKINGS:
-            self._book(u, info, klass, now, alone, slo, pred, retry)
+        if info.key is not None and self.bookings.may_book(wait):
+            entry = self._entry(u, klass, RANKS[klass], max(1, info.input_tokens), now, alone, slo, pred)
+            u.queues[entry.rank].append(entry)
+            self.bookings.add(info.key, u.index, entry, retry, now)
         self.record("reject", reason)
         exc = Rejected(reason, f"{why}; retry in {retry} s", retry_after_s=retry)
         exc.headers = {"X-Tierguard-Predicted-TTFT-Ms": f"{pred * 1000:.1f}",  # type: ignore[attr-defined]
@@ -273,7 +241,7 @@ class PredictedAdmission:
 
     def _fitting_tokens(self, u: UpstreamWork, now: float, rank: int, slo: float) -> int:
         """The longest prompt whose prediction is within `slo` at `u` now (bisection)."""
-        w, k = u.ahead(now, rank, self.show_share)
+        w, k = u.ahead(now, rank, self.bookings.show_share)
         lo, hi = 0, 1 << 20
         while hi - lo > 1:
             mid = (lo + hi) // 2
@@ -282,32 +250,13 @@ class PredictedAdmission:
         return lo
 
     # ---- bookings ----------------------------------------------------------------------
-    def _book(self, u: UpstreamWork, info: RequestInfo, klass: str, now: float, alone: float, slo: float,
-              pred: float, retry: int) -> None:
-        entry = self._entry(u, klass, RANKS[klass], max(1, info.input_tokens), now, alone, slo, pred)
-        entry.key, entry.back_at = info.key, now + retry
-        entry.expires = entry.back_at + max(2.0, retry / 4)
-        u.queues[entry.rank].append(entry)
-        self._bookings[info.key] = (u.index, entry)  # type: ignore[index]
-        heapq.heappush(self._expiry, (entry.expires, entry.seq, info.key))  # type: ignore[arg-type]
-        self.bookings.made += 1
-
     def _expire(self, now: float) -> None:
-        while self._expiry and self._expiry[0][0] <= now:
-            _, seq, key = heapq.heappop(self._expiry)
-            found = self._bookings.get(key)
-            if found is None or found[1].seq != seq:
-                continue  # claimed, or booked again since
-            del self._bookings[key]
-            self._remove(self.upstreams[found[0]], found[1])
-            self.bookings.expired += 1
-            self.show_share += SHOW_ALPHA * (0.0 - self.show_share)
+        for index, entry in self.bookings.expire(now):
+            self.upstreams[index].remove(entry)
 
     async def _claim(self, u: UpstreamWork, entry: Entry, now: float, info: RequestInfo,
                      max_wait_s: float | None) -> Ticket:
         """The booked client is back: its request takes its place, admitted."""
-        self.bookings.claimed += 1
-        self.show_share += SHOW_ALPHA * (1.0 - self.show_share)
         w, k = u.ahead(now, entry.rank, 1.0, before=entry.arrival)
         entry.predicted_s, _ = u.predict(w + entry.tokens, k + entry.keys)
         entry.future = asyncio.get_running_loop().create_future()
@@ -334,7 +283,7 @@ class PredictedAdmission:
             granted = fut.done() and not fut.cancelled()
             if not granted:
                 fut.cancel()
-                self._remove(u, entry)
+                u.remove(entry)
             if isinstance(exc, asyncio.CancelledError):
                 if granted:  # sent as the client left: the request never reaches the upstream
                     self.release(fut.result())
@@ -349,18 +298,6 @@ class PredictedAdmission:
             if not info.background:
                 self._waiting[klass] -= 1
 
-    def _remove(self, u: UpstreamWork, entry: Entry) -> None:
-        queue = u.queues[entry.rank]
-        if entry in queue:
-            queue.remove(entry)
-
-    def _room(self, u: UpstreamWork, now: float) -> bool:
-        """The upstream's unfinished prefill is under one step: it can take another prompt."""
-        if u.in_flight() >= self.policy.max_concurrency:
-            return False
-        left, _ = u.prefill_left(now)
-        return left + u.others.sent_tokens < max(1.0, u.chunk - u.decodes())
-
     def _dispatch(self, u: UpstreamWork) -> None:
         """Send waiters in order while there is room; wake again when there should be."""
         if u.wake is not None:
@@ -370,21 +307,17 @@ class PredictedAdmission:
         waiting = False
         for e in u.order(now):
             if e.future is None or e.future.done():
-                self._remove(u, e)
+                u.remove(e)
                 continue
-            if not self._room(u, now):
+            if not u.has_room(now, self.policy.max_concurrency):
                 waiting = True
                 break
             self._send(u, e, now)
         if waiting and u.prefilling:
-            left, keys = u.prefill_left(now)
-            t_tok = u.seconds_per_token(keys / left if left else 0.0)
-            room = max(1.0, u.chunk - u.decodes())
-            delay = (left - room + 1) * t_tok if t_tok > 0 and left >= room else 0.05
-            u.wake = asyncio.get_running_loop().call_later(min(0.5, max(0.002, delay)), self._dispatch, u)
+            u.wake = asyncio.get_running_loop().call_later(u.room_in(now), self._dispatch, u)
 
     def _send(self, u: UpstreamWork, e: Entry, now: float) -> None:
-        self._remove(u, e)
+        u.remove(e)
         w, k = u.prefill_left(now)
         pred, x = u.predict(w + u.others.tokens + e.tokens, k + u.others.keys + e.keys)
         ticket = PredictedTicket(klass=e.klass, queue_wait_s=now - e.since, admitted_at=now, replica=u.index,
@@ -398,8 +331,4 @@ class PredictedAdmission:
         """This gate's work per upstream URL, for the other gates (`ttft_shared.py`):
         [prefill tokens sent, their keys, tokens waiting here, their keys, decodes]."""
         now = self.clock()
-        out = {}
-        for u in self.upstreams:
-            (w, k), (qw, qk) = u.prefill_left(now), u.queued()
-            out[u.url] = [round(w, 1), round(k, 1), round(qw, 1), round(qk, 1), len(u.decoding)]
-        return out
+        return {u.url: u.work_row(now) for u in self.upstreams}

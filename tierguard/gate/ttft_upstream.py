@@ -180,6 +180,32 @@ class UpstreamWork:
         due = sorted((e for e in waiting if e.due_at <= now), key=lambda e: e.due_at)
         return due + [e for e in waiting if e.due_at > now]
 
+    def has_room(self, now: float, max_in_flight: int) -> bool:
+        """The unfinished prefill here is under one step: the engine can take another prompt."""
+        if self.in_flight() >= max_in_flight:
+            return False
+        left, _ = self.prefill_left(now)
+        return left + self.others.sent_tokens < max(1.0, self.chunk - self.decodes())
+
+    def room_in(self, now: float) -> float:
+        """Seconds until the prefill left here drops under one step, at the fitted speed
+        (50 ms when the fit knows no speed yet; between 2 ms and 0.5 s)."""
+        left, keys = self.prefill_left(now)
+        t_tok = self.seconds_per_token(keys / left if left else 0.0)
+        room = max(1.0, self.chunk - self.decodes())
+        delay = (left - room + 1) * t_tok if t_tok > 0 and left >= room else 0.05
+        return min(0.5, max(0.002, delay))
+
+    def remove(self, entry: Entry) -> None:
+        queue = self.queues[entry.rank]
+        if entry in queue:
+            queue.remove(entry)
+
+    def work_row(self, now: float) -> list[float]:
+        """[prefill tokens sent, their keys, tokens waiting here, their keys, decodes]."""
+        (w, k), (qw, qk) = self.prefill_left(now), self.queued()
+        return [round(w, 1), round(k, 1), round(qw, 1), round(qk, 1), len(self.decoding)]
+
     def queued(self) -> tuple[float, float]:
         """(tokens, keys) waiting here for this upstream (present waiters only)."""
         w = k = 0.0
