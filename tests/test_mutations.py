@@ -363,8 +363,8 @@ MUTANTS = [
     Mutant(
         "predicted admission: Retry-After is the whole predicted TTFT, not the predicted wait",
         GATE,
-        "wait = max(0.0, pred - alone)",
-        "wait = max(0.0, pred)",
+        "wait = max(0.0, booked - alone)",
+        "wait = max(0.0, booked)",
         (PREDICTED + "test_over_the_slo_is_429_with_retry_after_the_predicted_wait",),
     ),
     Mutant(

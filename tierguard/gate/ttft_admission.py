@@ -50,7 +50,8 @@ from tierguard.gate.ttft_upstream import Entry, Sent, UpstreamWork
 RANKS = {"interactive": 0, "batch": 1}
 JOB_RANK = 2
 Z = 2.0  # admitted when prediction + Z x spread is within the SLO
-MIN_TRIM_TOKENS = 16  # a trim that leaves less is no answer
+MIN_TRIM_TOKENS = 16
+HOLD_S = 2.0  # bookings due back within this long may hold the waiters behind them  # a trim that leaves less is no answer
 
 
 @dataclass
@@ -214,8 +215,11 @@ class PredictedAdmission:
     def _refuse(self, info: RequestInfo, klass: str, reason: str, u: UpstreamWork, now: float, pred: float,
                 alone: float) -> None:
         """Raise what --overflow says: HandOff, Downgrade (a trimmable chat) or Rejected (429),
-        the last with Retry-After = the predicted wait and the client's place booked."""
-        wait = max(0.0, pred - alone)
+        the last with Retry-After = the predicted wait and the client's place booked. The wait
+        counts every booking ahead of that place: those clients come back before this one."""
+        w, k = u.ahead(now, RANKS[klass], self.bookings.show_share, all_bookings=True)
+        booked, _ = u.predict(w + max(1, info.input_tokens), k + keys_of(max(1, info.input_tokens)))
+        wait = max(0.0, booked - alone)
         retry = max(1, math.ceil(wait - 1e-6))  # whole seconds, as Retry-After says it
         slo = self.options.slo_s[klass]
         why = (f"predicted TTFT {pred * 1000:.0f} ms is over the {klass} SLO of {slo * 1000:.0f} ms"
@@ -233,11 +237,16 @@ class PredictedAdmission:
             entry = self._entry(u, klass, RANKS[klass], max(1, info.input_tokens), now, alone, slo, pred)
             u.queues[entry.rank].append(entry)
             self.bookings.add(info.key, u.index, entry, retry, now)
+        raise self._rejected(reason, why, pred, wait)
+
+    def _rejected(self, reason: str, why: str, pred: float, wait: float) -> Rejected:
+        """The 429, counted: Retry-After = the predicted wait in whole seconds, and the figures."""
         self.record("reject", reason)
+        retry = max(1, math.ceil(wait - 1e-6))  # whole seconds, as Retry-After says it
         exc = Rejected(reason, f"{why}; retry in {retry} s", retry_after_s=retry)
         exc.headers = {"X-Tierguard-Predicted-TTFT-Ms": f"{pred * 1000:.1f}",  # type: ignore[attr-defined]
                        "X-Tierguard-Predicted-Wait-Ms": f"{wait * 1000:.1f}"}
-        raise exc
+        return exc
 
     def _fitting_tokens(self, u: UpstreamWork, now: float, rank: int, slo: float) -> int:
         """The longest prompt whose prediction is within `slo` at `u` now (bisection)."""
@@ -256,9 +265,19 @@ class PredictedAdmission:
 
     async def _claim(self, u: UpstreamWork, entry: Entry, now: float, info: RequestInfo,
                      max_wait_s: float | None) -> Ticket:
-        """The booked client is back: its request takes its place, admitted."""
-        w, k = u.ahead(now, entry.rank, 1.0, before=entry.arrival)
-        entry.predicted_s, _ = u.predict(w + entry.tokens, k + entry.keys)
+        """The booked client is back: its request takes its place, and is admitted when its
+        prediction from there is within its SLO (the prediction itself: the margin was taken
+        when the place was kept); otherwise it keeps the place for later."""
+        w, k = u.ahead(now, entry.rank, self.bookings.show_share, before=entry.arrival)
+        pred, _ = u.predict(w + entry.tokens, k + entry.keys)
+        slo = self.options.slo_s[entry.klass]
+        if pred > slo and info.key is not None:  # its room was kept: the mean, not the margin, decides
+            wait = max(0.0, pred - u.predict(entry.tokens, entry.keys)[0])
+            self.bookings.add(info.key, u.index, entry, max(1, math.ceil(wait - 1e-6)), now)
+            raise self._rejected(f"predicted_ttft_{entry.klass}", f"back too early: predicted TTFT "
+                                 f"{pred * 1000:.0f} ms is over the {entry.klass} SLO of {slo * 1000:.0f} ms",
+                                 pred, wait)
+        entry.predicted_s = pred
         entry.future = asyncio.get_running_loop().create_future()
         entry.since, entry.due_at = now, now + entry.budget_s
         self.record("admit", "booked_retry")
@@ -304,17 +323,20 @@ class PredictedAdmission:
             u.wake.cancel()
             u.wake = None
         now = self.clock()
-        waiting = False
+        waiting = held = False
+        back = u.returning(now, HOLD_S) if self.bookings.show_share >= 0.5 else []
         for e in u.order(now):
             if e.future is None or e.future.done():
                 u.remove(e)
                 continue
-            if not u.has_room(now, self.policy.max_concurrency):
+            held = bool(back) and u.held_for(e, back, now)
+            if held or not u.has_room(now, self.policy.max_concurrency):
                 waiting = True
                 break
             self._send(u, e, now)
-        if waiting and u.prefilling:
-            u.wake = asyncio.get_running_loop().call_later(u.room_in(now), self._dispatch, u)
+        if waiting and (held or u.prefilling):  # else a release or a first byte wakes it
+            delay = u.room_in(now) if u.prefilling else 0.02
+            u.wake = asyncio.get_running_loop().call_later(delay, self._dispatch, u)
 
     def _send(self, u: UpstreamWork, e: Entry, now: float) -> None:
         u.remove(e)

@@ -4,10 +4,11 @@ A client told "429, Retry-After: N" that comes back as told should find room. So
 refusal keeps its place (an `Entry` without a waiting future, at the back of its class as
 it was then) under a key that its retry will have again (`request_key`: its tenant, model,
 prompt size and the ends of its prompt, bounded work however long the prompt). The retry,
-on time or early, takes that place and is admitted. Until it comes back the booking counts
-as work ahead of the arrivals it will precede, weighted by `show_share`, the share of
-booked clients that did come back (exponentially weighted, 0.5 at start), so that clients
-that never retry cost little. One not back within max(2 s, Retry-After / 4) after its time
+on time or early, takes that place, and is admitted when its prediction from there is
+within its SLO (else it is told again when to come, the place kept). Until it comes back
+the booking counts as work ahead of the arrivals it will precede, weighted by
+`show_share`, the share of booked clients that did come back (exponentially weighted, 1 at
+start), so that clients that never retry soon cost little. One not back within max(2 s, Retry-After / 4) after its time
 is dropped. No booking for a wait over `HORIZON_S`, nor beyond `MAX_BOOKINGS`.
 """
 
@@ -46,7 +47,7 @@ class Bookings:
     def __init__(self) -> None:
         self._by_key: dict[str, tuple[int, Entry]] = {}
         self._expiry: list[tuple[float, int, str]] = []
-        self.show_share = 0.5
+        self.show_share = 1.0
         self.made = self.claimed = self.expired = 0
 
     def __len__(self) -> int:

@@ -22,11 +22,12 @@ nothing; either way the online fit then follows the upstream's own answers.
 **The online fit** (`OnlineFit`): exponentially weighted least squares, relative (each
 observation weighted by 1 / its predicted TTFT², so short requests count as much as long
 ones), non-negative, with a forgetting factor of 1 - 1/`window` so that it follows a
-changing load mix and a prior that was wrong. The prior counts as `Prior.weight`
-observations of the size the data has in each direction, and keeps the normal equations regular (no covariance wind-up in
-directions the traffic never excites). Residuals beyond a few spreads are down-weighted
-(Huber). Its uncertainty: the spread of the relative residuals (`rel_sd`, from their mean
-absolute value over the last window/4 answers) and each coefficient's standard error.
+changing load mix and a prior that was wrong. per_key stays the prior's (`FIXED`). The
+prior counts as `Prior.weight` observations of the size the data has in each direction,
+and keeps the normal equations regular (no covariance wind-up in directions the traffic
+never excites). Residuals beyond a few spreads are down-weighted (Huber). Its
+uncertainty: the spread of the relative residuals (`rel_sd`, from their mean absolute
+value over the last window/4 answers) and each coefficient's standard error.
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ DEFAULT_CHUNK = 1024  # tierguard serve's max_num_batched_tokens
 DEFAULT_REL_SD = 0.5  # the spread assumed before anything is known
 FLOOR_S = 0.02  # relative errors are taken against at least this much TTFT
 TYPICAL_DECODES = 8  # the scale of the decode feature (conditioning only)
+# per_key stays the prior's: ordinary traffic cannot tell it from per_token, and a quadratic
+# term fitted on short prompts extrapolates to long ones by their square (every long prompt
+# would be refused, and never observed to correct it)
+FIXED = np.array([0.0, 0.0, 1.0, 0.0, 0.0])
 MIN_OBSERVATIONS = 5  # without a calibration, the spread is measured from this many answers on
 
 
@@ -216,8 +221,8 @@ class OnlineFit:
         (whatever the scale of the TTFTs), and a trace of regularization where the traffic
         never reached (those coefficients stay at the prior's)."""
         d = np.diag(self._a)
-        eps = 1e-6 * max(float(d.max()) if d.size else 0.0, 1e-12)
-        return np.diag(self.prior.weight / max(self._nfit, 1.0) * d + eps)
+        top = max(float(d.max()) if d.size else 0.0, 1e-12)
+        return np.diag(self.prior.weight / max(self._nfit, 1.0) * d + 1e-6 * top + FIXED * 1e6 * top)
 
     def _solve(self) -> None:
         """min (z - zhat)' M (z - zhat) over z >= 0, M = A + P: NNLS on M's Cholesky factor."""

@@ -13,6 +13,9 @@ Mechanism only (no decision is taken here; `ttft_admission.py` takes them):
 - **queue**: requests admitted but not yet sent, per rank, in their order, and bookings
   (a rejected client's place, kept for its retry; `future` None) weighted by the share
   of bookings whose clients came back.
+- **held room**: a waiter behind a booking whose client is due back before the waiter's
+  own prefill would be done is not sent yet, so the returning client finds the room its
+  Retry-After promised (only while most booked clients do come back).
 - **others**: prefill tokens, keys and decodes other gates report for this upstream
   (`ttft_shared.py`).
 
@@ -34,6 +37,7 @@ from tierguard.gate.ttft_model import OnlineFit, features
 ERROR_BUCKETS = (-10.0, -5.0, -2.5, -1.0, -0.5, -0.25, -0.1, -0.05, -0.025, 0.0,
                  0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 ABS_ERROR_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+LATE_S = 0.5  # a booked client this late is no longer waited for by the dispatcher
 STAGES = ("admission", "dispatch")  # from the arrival, as admission predicted; from the send
 
 
@@ -142,14 +146,15 @@ class UpstreamWork:
         return self.fit.predict(x), x
 
     def ahead(self, now: float, rank: int, show_share: float, own_s: float = 0.0,
-              before: float = math.inf) -> tuple[float, float]:
+              before: float = math.inf, all_bookings: bool = False) -> tuple[float, float]:
         """(tokens, keys) that go to the engine before a request of `rank` that took its
         place at `before` (a new one: now) would: prefill left here and at other gates,
         everything waiting of a better rank or ahead in its own, bookings among those whose
         clients are due back before it would be sent (weighted by `show_share`, the share
         of clients that do come back), and lower ranks' waiters that will have waited out
         their budget by then. `own_s`: its own service time, for the first estimate of how
-        long it waits."""
+        long it waits. `all_bookings`: every booking ahead counts, due back before it or not
+        (the wait of a request that will itself come back later)."""
         w, k = self.prefill_left(now)
         w, k = w + self.others.tokens, k + self.others.keys
         later: list[Entry] = []
@@ -157,7 +162,9 @@ class UpstreamWork:
             for e in queue:
                 first = q_rank < rank or (q_rank == rank and e.arrival < before)
                 if not e.present:
-                    if first:
+                    if first and all_bookings:
+                        w, k = w + e.tokens * show_share, k + e.keys * show_share
+                    elif first:
                         later.append(e)
                 elif first or e.due_at <= now:
                     w, k = w + e.tokens, k + e.keys
@@ -195,6 +202,20 @@ class UpstreamWork:
         room = max(1.0, self.chunk - self.decodes())
         delay = (left - room + 1) * t_tok if t_tok > 0 and left >= room else 0.05
         return min(0.5, max(0.002, delay))
+
+    def returning(self, now: float, within_s: float) -> list[Entry]:
+        """Bookings whose clients are due back within `within_s` (or were, LATE_S ago)."""
+        return [e for q in self.queues for e in q
+                if not e.present and now - LATE_S <= e.back_at <= now + within_s]
+
+    def held_for(self, e: Entry, back: list[Entry], now: float) -> bool:
+        """Whether sending `e` now would take the room of a client due back before `e`'s
+        own prefill is done, whose place is ahead of it (a waiter past its budget is never held)."""
+        if e.due_at <= now:
+            return False
+        own, _ = self.predict(e.tokens, e.keys)
+        return any((b.rank < e.rank or (b.rank == e.rank and b.arrival < e.arrival)) and b.back_at <= now + own
+                   for b in back)
 
     def remove(self, entry: Entry) -> None:
         queue = self.queues[entry.rank]
