@@ -80,6 +80,8 @@ CLUSTER_FAILOVER = ("tests/gate/test_shared_limits_cluster.py::"
 # KV served only to the model and tenant it belongs to.
 FINE_TUNE = "tests/engine/test_kv_identity_engine.py::test_a_fine_tune_in_the_same_directory_gets_no_kv_from_disk_or_redis"
 TENANTS = "tests/gate/test_tenant_isolation.py::test_two_keys_share_no_prefix_and_no_response_tells"
+PREDICTED = "tests/gate/test_predicted_admission.py::"  # predicted-TTFT admission on a pinned clock
+GATE = ("tierguard/gate/**/*.py",)
 
 MUTANTS = [
     Mutant(
@@ -858,6 +860,49 @@ MUTANTS = [
         'h = xxhash.xxh64_intdigest(salt.encode("utf-8", "surrogatepass"), seed=1) if salt else 0',
         "h = 0",
         ("tests/gate/test_tenant_isolation.py::test_per_key_salts_are_stable_unguessable_and_cannot_be_escaped",),
+    ),
+    Mutant(
+        "predicted admission: the prediction is ignored (everything admitted)",
+        GATE,
+        "            if upper > slo:\n",
+        "            if False:\n",
+        (PREDICTED + "test_over_the_slo_is_429_with_retry_after_the_predicted_wait",),
+    ),
+    Mutant(
+        "predicted admission: Retry-After is the whole predicted TTFT, not the predicted wait",
+        GATE,
+        "wait = max(0.0, booked - alone)",
+        "wait = max(0.0, booked)",
+        (PREDICTED + "test_over_the_slo_is_429_with_retry_after_the_predicted_wait",),
+    ),
+    Mutant(
+        "predicted admission: a request that waited out its budget is overtaken",
+        GATE,
+        "return due + [e for e in waiting if e.due_at > now]",
+        "return waiting",
+        (PREDICTED + "test_a_request_that_waited_its_budget_is_never_overtaken",),
+    ),
+    Mutant(
+        "predicted admission: batch goes before interactive",
+        GATE,
+        'RANKS = {"interactive": 0, "batch": 1}',
+        'RANKS = {"interactive": 1, "batch": 0}',
+        (PREDICTED + "test_interactive_goes_before_batch",),
+    ),
+    Mutant(
+        "predicted admission: a booked retry is priced as a new request",
+        GATE,
+        "if info.key is not None and not info.background and info.key in self.bookings:",
+        "if False:",
+        (PREDICTED + "test_a_rejected_client_that_retries_as_told_takes_its_place",),
+    ),
+    Mutant(
+        "predicted admission: the online fit never learns",
+        GATE,
+        "        if not self.learn:\n            return r",
+        "        if True:\n            return r",
+        (PREDICTED + "test_the_fit_converges_to_a_known_cost_and_follows_it_when_it_changes",
+         "tests/gate/test_predicted_gate.py::test_a_calibration_wrong_by_2x_is_corrected_online_and_its_error_shows"),
     ),
 ]
 FAST = [m for m in MUTANTS if not m.slow]

@@ -108,6 +108,16 @@ _FLEET_FLAGS = {
                           "(default 1; the number last seen alive in Redis when larger)"),
 }
 
+# Admission by predicted TTFT instead of the static limits (docs/fleet.md).
+_PREDICTED_FLAGS = {
+    "ttft-slo-ms": (str, "predicted admission: the TTFT SLO of each class, e.g. interactive=1000,batch=20000 "
+                         "(the defaults)"),
+    "ttft-chunk-tokens": (int, "predicted admission: the engine's tokens per step (its max_num_batched_tokens) "
+                               "where no calibration file says (default 1024)"),
+    "ttft-online": (str, "predicted admission: on (default) keeps learning each upstream's costs from its "
+                         "answers; off keeps the calibration's"),
+}
+
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("gate", help="admission-control proxy: bounded queues, long-session limits, async jobs",
@@ -140,6 +150,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     fleet = p.add_argument_group("several upstreams and limits shared between gates")
     for flag, (kind, text) in _FLEET_FLAGS.items():
         fleet.add_argument("--" + flag, type=kind, help=text)
+    predicted = p.add_argument_group("admission by predicted TTFT")
+    predicted.add_argument("--admission", choices=("static", "predicted"),
+                           help="static (default): --max-concurrency and --max-queue decide; predicted: a request "
+                                "is admitted when the TTFT it would see is within its class's --ttft-slo-ms, else "
+                                "told --overflow's answer at once (429 with Retry-After = the predicted wait)")
+    predicted.add_argument("--ttft-calibration", action="append",
+                           help="predicted admission: a `tierguard predict` calibration file for every upstream, "
+                                "or N=FILE / URL=FILE for one (repeat it); without one the costs are learned "
+                                "from the upstream's answers")
+    for flag, (kind, text) in _PREDICTED_FLAGS.items():
+        predicted.add_argument("--" + flag, type=kind, help=text)
     p.add_argument("--verbose", "-v", action="store_true", help="log every decision")
     return p
 
@@ -195,8 +216,9 @@ def resolve_options(args: argparse.Namespace) -> dict:
         if isinstance(options.get(key), str):
             options[key] = parse_bytes(options[key], key)
     for name in ("upstream", "host", "port", "tokenizer", "api_key", "api_key_file", "upstream_api_key", "log",
-                 "log_prompts", "exact_token_count", "route_headers",
-                 *(f.replace("-", "_") for f in {**_POLICY_FLAGS, **_GATE_FLAGS, **_PEER_FLAGS, **_FLEET_FLAGS})):
+                 "log_prompts", "exact_token_count", "route_headers", "admission", "ttft_calibration",
+                 *(f.replace("-", "_") for f in {**_POLICY_FLAGS, **_GATE_FLAGS, **_PEER_FLAGS, **_FLEET_FLAGS,
+                                                 **_PREDICTED_FLAGS})):
         value = getattr(args, name, None)
         if value is not None:
             options[name] = value

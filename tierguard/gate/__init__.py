@@ -32,6 +32,10 @@ metrics, state + app (the running gate). Slow peers: tierguard/common/peers.py.
 Several upstreams (docs/fleet.md): routing (policies, no HTTP) + prefix_index (what was sent
 where), upstreams (health, ejection, the choice per attempt); limits shared through Redis:
 leases (slots and queue places, Lua) + shared_admission (this interface over them, fallback).
+Admission by predicted TTFT (`--admission predicted`): ttft_admission (the same interface) over
+ttft_model (the closed form, calibration files, the online fit), ttft_upstream (work sent and
+waiting per upstream), ttft_bookings (refused clients' places), ttft_shared (work across gates),
+ttft_options.
 """
 
 from tierguard.gate.admission import (

@@ -47,6 +47,7 @@ class RequestInfo:
     can_downgrade: bool = False  # the caller can drop old chat turns (chat with >1 non-system turn)
     downgraded: bool = False  # already trimmed once; never downgrade twice
     background: bool = False  # an async job: no wait deadline, not bounded by max_queue
+    key: str | None = None  # the same for a retry of the same request (predicted admission's bookings)
 
 
 @dataclass

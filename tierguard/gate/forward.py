@@ -101,10 +101,12 @@ class Upstream:
 
 
 async def relay(request: web.Request, upstream: aiohttp.ClientResponse, extra_headers: dict[str, str],
-                first_byte_timeout_s: float, on_chunk_gap=None, guard: PeerGuard | None = None) -> ForwardResult:
+                first_byte_timeout_s: float, on_chunk_gap=None, guard: PeerGuard | None = None,
+                on_first=None) -> ForwardResult:
     """Copy the upstream response to the client; returns what the gate observed.
 
-    `on_chunk_gap(seconds)` is called for every inter-chunk gap (ITL histogram). With a
+    `on_chunk_gap(seconds)` is called for every inter-chunk gap (ITL histogram);
+    `on_first(monotonic time)` when a stream's first chunk arrived (not for a whole body). With a
     `guard`, a client that leaves more than its slow-reader mark unread has its stream
     ended (`SlowReader`): the upstream request is closed and the slot freed.
     """
@@ -125,6 +127,8 @@ async def relay(request: web.Request, upstream: aiohttp.ClientResponse, extra_he
         content = upstream.content
         async with asyncio.timeout(first_byte_timeout_s):
             first = await content.readany()
+        if on_first is not None and first:
+            on_first(time.monotonic())
         await resp.prepare(request)  # headers leave with the first chunk
         backlog = guard.backlog(request) if guard is not None else None
         # The hot loop: per chunk one read of everything the upstream has sent, one write,

@@ -188,6 +188,10 @@ class GateMetrics:
         """The upstreams (`upstreams.Fleet`) and, with --shared-state, the shared slots."""
         self.registry.register(FleetCollector(fleet, shared))
 
+    def add_prediction(self, controller) -> None:
+        """Predicted admission's errors, coefficients, work and bookings (`PredictionCollector`)."""
+        self.registry.register(PredictionCollector(controller))
+
     def child(self, metric: MetricWrapperBase, label: str) -> MetricWrapperBase:
         """The labelled child of `metric`, from a plain dict (prometheus' .labels() takes a lock
         and builds a key tuple on every call; the request path calls this five times)."""
@@ -199,3 +203,75 @@ class GateMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class PredictionCollector:
+    """Predicted admission (`ttft_admission.py`), per upstream: how far its predictions are
+    off (predicted - measured TTFT: at admission, from the arrival; at dispatch, from the
+    send), the fit's current coefficients with their standard errors and relative spread,
+    the work it sees, and the bookings kept for rejected clients' retries."""
+
+    def __init__(self, controller) -> None:
+        self.controller = controller
+
+    def collect(self):
+        from tierguard.gate.ttft_model import TERMS
+
+        c = self.controller
+        err = HistogramMetricFamily("tierguard_gate_ttft_prediction_error_seconds",
+                                    "Predicted minus measured TTFT (negative: the prediction was short; "
+                                    "buckets only, as the format has no sum for negative buckets)",
+                                    labels=["upstream", "stage"])
+        abs_err = HistogramMetricFamily("tierguard_gate_ttft_prediction_abs_error_seconds",
+                                        "|predicted - measured| TTFT", labels=["upstream", "stage"])
+        coef = GaugeMetricFamily("tierguard_gate_ttft_model_coefficient",
+                                 "The closed form's coefficients in seconds per unit (base, per_token, per_key, "
+                                 "per_step, per_decode)", labels=["upstream", "term"])
+        coef_sd = GaugeMetricFamily("tierguard_gate_ttft_model_coefficient_stddev",
+                                    "Standard error of each coefficient", labels=["upstream", "term"])
+        spread = GaugeMetricFamily("tierguard_gate_ttft_model_relative_error",
+                                   "Spread (rms) of (measured - predicted) / predicted over recent answers",
+                                   labels=["upstream"])
+        bias = GaugeMetricFamily("tierguard_gate_ttft_model_relative_bias",
+                                 "Mean of (measured - predicted) / predicted over recent answers", labels=["upstream"])
+        seen = CounterMetricFamily("tierguard_gate_ttft_model_observations", "Answers the fit has seen",
+                                   labels=["upstream", "source"])
+        work = GaugeMetricFamily("tierguard_gate_ttft_work_tokens",
+                                 "Prompt tokens: sent and not yet prefilled, waiting in this gate, reported by "
+                                 "other gates", labels=["upstream", "where"])
+        decodes = GaugeMetricFamily("tierguard_gate_ttft_decodes", "Requests decoding there (this gate and others)",
+                                    labels=["upstream"])
+        now = c.clock()
+        for u in c.upstreams:
+            for stage, hist in u.errors.items():
+                err.add_metric([u.url, stage], hist.cumulative(), hist.total_s)
+                a = u.abs_errors[stage]
+                abs_err.add_metric([u.url, stage], a.cumulative(), a.total_s)
+            for term, value, sd in zip(TERMS, u.fit.coef, u.fit.coef_sd(), strict=True):
+                coef.add_metric([u.url, term], value)
+                coef_sd.add_metric([u.url, term], sd)
+            spread.add_metric([u.url], u.fit.rel_sd)
+            bias.add_metric([u.url], u.fit.rel_bias)
+            seen.add_metric([u.url, u.fit.prior.source], u.fit.observations)
+            work.add_metric([u.url, "sent"], u.prefill_left(now)[0])
+            work.add_metric([u.url, "waiting"], u.queued()[0])
+            work.add_metric([u.url, "other_gates"], u.others.tokens)
+            decodes.add_metric([u.url], u.decodes())
+        b = c.bookings
+        booked = GaugeMetricFamily("tierguard_gate_ttft_bookings", "Places kept for rejected clients' retries")
+        booked.add_metric([], len(b))
+        outcomes = CounterMetricFamily("tierguard_gate_ttft_booking_outcomes", "Bookings made, claimed by the "
+                                       "retry, expired unclaimed", labels=["outcome"])
+        for name, n in (("made", b.made), ("claimed", b.claimed), ("expired", b.expired)):
+            outcomes.add_metric([name], n)
+        share = GaugeMetricFamily("tierguard_gate_ttft_booking_show_share",
+                                  "Share of booked clients that came back (bookings count by it)")
+        share.add_metric([], b.show_share)
+        out = [err, abs_err, coef, coef_sd, spread, bias, seen, work, decodes, booked, outcomes, share]
+        if c.shared is not None:
+            up = GaugeMetricFamily("tierguard_gate_ttft_shared_up", "1: other gates' work is read from Redis")
+            up.add_metric([], int(c.shared.up))
+            errs = CounterMetricFamily("tierguard_gate_ttft_shared_errors", "Failed exchanges of the shared work")
+            errs.add_metric([], c.shared.errors)
+            out += [up, errs]
+        return out

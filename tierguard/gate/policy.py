@@ -109,6 +109,13 @@ class GateSettings:
     lease_ms: int = 5000  # a slot of a gate that stops renewing (killed) frees after this
     shared_timeout_ms: float = 100.0  # any Redis call slower than this counts as Redis down
     shared_gates: int = 1  # gates assumed at least when dividing the limits while Redis is down
+    # ---- predicted-TTFT admission (docs/fleet.md; tierguard/gate/ttft_options.py) ----
+    admission: str = "static"  # static: the limits decide | predicted: each class's TTFT SLO
+    ttft_slo_ms: str | dict | None = None  # "interactive=1000,batch=20000" (the defaults)
+    ttft_calibration: list[str] = field(default_factory=list)  # tierguard predict files: FILE, N=FILE, URL=FILE
+    ttft_chunk_tokens: int | None = None  # the engine's tokens per step where no calibration says (1024)
+    ttft_online: bool | str = True  # keep learning the costs from the upstreams' answers
+    ttft_window: int = 100  # answers the online fit remembers (forgetting factor 1 - 1/window)
     policy: AdmissionPolicy = field(default_factory=AdmissionPolicy)
 
     def validate(self) -> GateSettings:
@@ -182,6 +189,12 @@ class GateSettings:
         if not isinstance(self.route_headers, bool):
             raise TierguardError(f"route_headers must be true or false, got {self.route_headers!r}")
         self.policy.validate()
+        from tierguard.gate.ttft_options import ADMISSIONS, options_from
+
+        if self.admission not in ADMISSIONS:
+            raise TierguardError(f"--admission must be one of {', '.join(ADMISSIONS)}, got {self.admission!r}")
+        if self.admission == "predicted":
+            options_from(self)  # calibration files read and checked now, before anything starts
         return self
 
     def job_limits(self):

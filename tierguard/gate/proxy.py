@@ -22,10 +22,12 @@ from tierguard.gate.http import error_response, messages_problem, read_json, ten
 from tierguard.gate.isolation import apply_salt, bearer_key
 from tierguard.gate.jobs import DISK_FULL, JobRefused
 from tierguard.gate.reqlog import RequestRecord
+from tierguard.gate.routing import RouteDecision
 from tierguard.gate.runner import os_reason
 from tierguard.gate.state import GATE, GateState
 from tierguard.gate.tokens_fit import chat_bytes, text_bytes
 from tierguard.gate.trim import can_trim, trim_messages
+from tierguard.gate.ttft_bookings import request_key
 from tierguard.gate.upstreams import SESSION_HEADER
 from tierguard.kv.contract import CLASS_HEADER, CLASS_HEADER_ALIAS, classify_request
 
@@ -75,7 +77,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         state.metrics.child(state.metrics.token_counts, counted.method).inc()
         if as_async:
             return await _hand_off(state, request, route, body, n, rec, arrived, "requested")
-        info = RequestInfo(input_tokens=n, priority=priority, can_downgrade=chat and can_trim(body.get("messages")))
+        info = RequestInfo(input_tokens=n, priority=priority, can_downgrade=chat and can_trim(body.get("messages")),
+                           key=_retry_key(state, request, body, n))
         rec.klass = state.controller.classify(info)
         ticket = None
         while ticket is None:
@@ -96,9 +99,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
             except HandOff as h:
                 return await _hand_off(state, request, route, body, n, rec, arrived, h.reason)
             except Rejected as r:
-                return _done(state, rec, arrived, error_response(
-                    r.status, r.message, etype="rate_limit_exceeded" if r.status == 429 else "invalid_request_error",
-                    retry_after_s=r.retry_after_s), r.reason, "reject")
+                resp = error_response(r.status, r.message, retry_after_s=r.retry_after_s,
+                                      etype="rate_limit_exceeded" if r.status == 429 else "invalid_request_error")
+                resp.headers.update(getattr(r, "headers", None) or {})  # predicted admission's TTFT and wait
+                return _done(state, rec, arrived, resp, r.reason, "reject")
         rec.queue_wait_ms = round(ticket.queue_wait_s * 1000, 3)
         state.metrics.child(state.metrics.queue_wait, ticket.klass).observe(ticket.queue_wait_s)
         try:
@@ -133,8 +137,13 @@ async def _forward(state: GateState, request: web.Request, route: str, body: dic
     target = fleet.request_for(body, route.endswith("/chat/completions"), request.headers.get(SESSION_HEADER))
     tried: list[int] = []
     result, dead = None, False
+    pinned = getattr(ticket, "replica", None)  # predicted admission chose the upstream it priced
     while result is None:
-        replica, decision = fleet.choose(target, tried)  # type: ignore[misc]  # never None on the first try
+        if pinned is not None and not tried:
+            replica, decision = fleet.replicas[pinned], RouteDecision(pinned, "predicted")
+            fleet.routed[(pinned, "predicted")] = fleet.routed.get((pinned, "predicted"), 0) + 1
+        else:
+            replica, decision = fleet.choose(target, tried)  # type: ignore[misc]  # never None on the first try
         tried.append(replica.index)
         can_retry = len(tried) < min(2, len(fleet.replicas))
         rec.upstream, rec.routed = replica.index, decision.reason  # the log always has them
@@ -149,7 +158,8 @@ async def _forward(state: GateState, request: web.Request, route: str, body: dic
                 _upstream_failed(state, replica, "engine_dead" if dead else f"status_{upstream.status}")
                 continue
             result = await relay(request, upstream, headers, state.settings.first_byte_timeout_s,
-                                 on_chunk_gap=state.metrics.itl.observe, guard=state.guard)
+                                 on_chunk_gap=state.metrics.itl.observe, guard=state.guard,
+                                 on_first=getattr(ticket, "first_byte", None) if not tried[1:] else None)
         except UpstreamError as exc:  # nothing reached the client yet
             _upstream_failed(state, replica, exc.kind)
             if can_retry:
@@ -189,9 +199,19 @@ def _upstream_failed(state: GateState, replica, kind: str) -> None:
         state.fleet.failed(replica, "timeout" if kind == "status_504" else kind)
 
 
+def _retry_key(state: GateState, request: web.Request, body: dict, tokens: int) -> str | None:
+    """The same for a retry of the same request: predicted admission keeps a rejected one's place."""
+    if not getattr(state.controller, "prices_tokens", False):
+        return None
+    return request_key(body, tenant(request, state.settings.api_keys), tokens)
+
+
 def _decision_limit(state: GateState) -> int:
     """The smallest input-token count that could change admission: long at the threshold,
-    over the cap above max_input_tokens. Counts below it all decide alike."""
+    over the cap above max_input_tokens. Counts below it all decide alike. Predicted
+    admission prices every prompt by its size: every count changes it."""
+    if getattr(state.controller, "prices_tokens", False):
+        return 1
     p = state.controller.policy
     return p.long_threshold if p.max_input_tokens is None else min(p.long_threshold, p.max_input_tokens + 1)
 

@@ -25,6 +25,7 @@ from tierguard.gate.runner import JobRunner
 from tierguard.gate.shared_admission import SharedAdmission
 from tierguard.gate.tokens import LocalTokenizer, TokenCounter, UpstreamTokenizer
 from tierguard.gate.tokens_fit import TokenBytes
+from tierguard.gate.ttft_admission import PredictedAdmission
 from tierguard.gate.upstreams import Fleet
 
 log = logging.getLogger("tierguard.gate")
@@ -39,7 +40,7 @@ def peer_limits(s: GateSettings) -> PeerLimits:
 @dataclass
 class GateState:
     settings: GateSettings
-    controller: AdmissionController | SharedAdmission
+    controller: AdmissionController | SharedAdmission | PredictedAdmission
     metrics: GateMetrics
     reqlog: RequestLog
     jobs: JobStore
@@ -59,8 +60,10 @@ class GateState:
     async def create(cls, settings: GateSettings, guard: PeerGuard | None = None) -> GateState:
         s = settings
         guard = guard or PeerGuard(peer_limits(s))
-        controller: AdmissionController | SharedAdmission
-        if s.shared_state:
+        controller: AdmissionController | SharedAdmission | PredictedAdmission
+        if s.admission == "predicted":
+            controller = await _predicted(s)
+        elif s.shared_state:
             store = LeaseStore(s.shared_state, prefix=s.shared_prefix, lease_ms=s.lease_ms,
                                timeout_s=s.shared_timeout_ms / 1000)
             controller = SharedAdmission(s.policy, store, min_gates=s.shared_gates)
@@ -131,6 +134,9 @@ class GateState:
                     token_bytes=rule if rule is not None and rule.exact and max_model_len else None)
         state.metrics.add_edge(guard, counter.pool if isinstance(counter, LocalTokenizer) else None, jobs, runner)
         state.metrics.add_fleet(fleet, controller if isinstance(controller, SharedAdmission) else None)
+        if isinstance(controller, PredictedAdmission):
+            controller.attach(lambda i: fleet.replicas[i].healthy)
+            state.metrics.add_prediction(controller)
         fleet.start()
         state.tasks.append(asyncio.create_task(state._sweep_jobs()))
         return state
@@ -155,12 +161,29 @@ class GateState:
                 await t
         await self.runner.stop()
         await self.fleet.stop()
-        if isinstance(self.controller, SharedAdmission):
+        if isinstance(self.controller, (SharedAdmission, PredictedAdmission)):
             await self.controller.close()
         await self.session.close()
         if isinstance(self.counter, LocalTokenizer):
             self.counter.pool.close()
         self.reqlog.close()
+
+
+async def _predicted(s: GateSettings) -> PredictedAdmission:
+    """Predicted-TTFT admission; under --shared-state the queued work is shared, not the slots."""
+    from tierguard.gate.ttft_options import options_from
+    from tierguard.gate.ttft_shared import SharedWork
+
+    shared = SharedWork(s.shared_state, prefix=s.shared_prefix, lease_ms=s.lease_ms,
+                        timeout_s=s.shared_timeout_ms / 1000) if s.shared_state else None
+    options = options_from(s)
+    controller = PredictedAdmission(s.policy, options, s.upstreams, shared=shared)
+    await controller.start()
+    for u in controller.upstreams:
+        log.info("predicted admission for %s: costs from %s, SLO %s, online fit %s", u.url, u.fit.prior.source,
+                 ", ".join(f"{k} {v * 1000:g} ms" for k, v in options.slo_s.items()),
+                 "on" if options.online else "off")
+    return controller
 
 
 GATE = web.AppKey("tierguard_gate", GateState)  # the running gate's state, on its aiohttp app
