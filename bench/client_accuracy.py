@@ -31,6 +31,7 @@ from validity import Validity  # noqa: E402
 from tierguard.bench.config import BenchConfig
 from tierguard.bench.runner import run_bench
 from tierguard.bench.schedule_server import ScheduleServer
+from tierguard.common.percentile import percentile
 
 
 def truth_rows(base_url: str) -> dict[str, dict]:
@@ -85,7 +86,7 @@ def level(server: ScheduleServer, streams: int, n_requests: int, workers: int, m
     accept = np.array([(tr["arrival"] - t0 - r.sent_s) * 1000 for r, tr in pairs])
     read_delay = np.array([(r.first_token_s + t0 - tr["times"][0]) * 1000 for r, tr in pairs])
     chunk_delay = np.concatenate([(np.asarray(r.chunk_times_s) + t0 - np.asarray(tr["times"])) * 1000 for r, tr in pairs])
-    p99 = lambda a: float(np.percentile(a, 99))  # noqa: E731
+    p99 = lambda a: percentile(a, 99)  # noqa: E731
     return {
         "mode": mode, "http_client": http_client, "streams": streams, "requests": n_requests, "workers": workers, "completed": s["completed"],
         "failed": s["failed"], "paired": len(pairs), "wall_s": round(wall, 2),

@@ -41,14 +41,14 @@ import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tierguard.bench.schedule_server import ScheduleServer  # noqa: E402
+from tierguard.common.percentile import percentile  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from validity import Validity  # noqa: E402
 
 
 def _q(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
+    return percentile(values, 100 * q, empty=float("nan"))  # type: ignore[return-value]
 
 
 _REQ_ID = re.compile(rb'"id": ?"(req-\d+)"')

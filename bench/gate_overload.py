@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from validity import Validity  # noqa: E402
 
 from tierguard.bench.schedule_server import ScheduleServer  # noqa: E402
+from tierguard.common.percentile import percentile  # noqa: E402
 from tierguard.common.proc import ReadyProcess  # noqa: E402
 
 
@@ -129,7 +130,7 @@ def main() -> int:
             rss_after = proc.memory_info().rss
             records = _log_lines(os.path.join(tmp, "gate.jsonl"), skip=len(logged), want=len(done))
     ttfts = sorted(r["ttft"] for r in done if r["status"] == 200 and r["ttft"] is not None)
-    p99_ms = 1000 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else None
+    p99_ms = 1000 * percentile(ttfts, 99) if ttfts else None  # type: ignore[operator]
     growth_mib = (rss_after - rss_before) / 2**20
     waits = [x["queue_wait_ms"] for x in records if x["status"] == 200 and x.get("queue_wait_ms") is not None]
     refusals = [x["e2e_ms"] for x in records if x["status"] == 429 and x.get("e2e_ms") is not None]

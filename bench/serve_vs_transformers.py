@@ -44,6 +44,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 from validity import Validity, count_errors  # noqa: E402
 
+from tierguard.common.percentile import percentile  # noqa: E402
+
 READY = "tierguard serve: ready on "
 LOG_DIR = Path(tempfile.gettempdir()) / "tierguard_bench_logs"
 
@@ -71,11 +73,7 @@ def settle(streams: list[Stream]) -> tuple[list[Stream], list[float], list[float
     return ok, gaps, [st.events[0] - st.started for st in ok]
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+_pct = percentile  # q in 0..100, None for no values: the one definition (common/percentile.py)
 
 
 def make_prompts(model_dir: Path, n: int, prompt_tokens: int, seed: int = 0) -> list[str]:

@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 from validity import Validity  # noqa: E402
 
+from tierguard.common.percentile import percentile  # noqa: E402
 from tierguard.engine.api import SamplingParams  # noqa: E402
 from tierguard.engine.factory import build_engine  # noqa: E402
 from tierguard.engine.step_budget import StepBudget  # noqa: E402
@@ -96,8 +97,8 @@ def run(args, waves: bool) -> dict:
         "waves": waves,
         "tokens": tokens,
         "output_tok_s": round(tokens / wall, 1),
-        "gap_p50_ms": round(gaps[len(gaps) // 2], 2) if gaps else None,
-        "gap_p99_ms": round(gaps[min(len(gaps) - 1, int(len(gaps) * 0.99))], 2) if gaps else None,
+        "gap_p50_ms": round(percentile(gaps, 50), 2) if gaps else None,  # type: ignore[arg-type]
+        "gap_p99_ms": round(percentile(gaps, 99), 2) if gaps else None,  # type: ignore[arg-type]
         "steps": {k: {"count": v[0], "ms": round(v[1])} for k, v in kinds.items()},
         "decode_batch_sizes": dict(sorted(sizes.items())),
         "wave_starts": wave_starts,

@@ -31,6 +31,7 @@ import aiohttp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tierguard.bench.schedule_server import ScheduleServer  # noqa: E402
+from tierguard.common.percentile import percentile  # noqa: E402
 from tierguard.common.proc import ReadyProcess  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -54,8 +55,7 @@ def judge(out: dict, sockets: int, header_timeout_s: float) -> dict:
 
 
 def _q(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
+    return percentile(values, 100 * q, empty=float("nan"))  # type: ignore[return-value]
 
 
 async def _ttfts(url: str, n: int) -> list[float]:

@@ -19,6 +19,7 @@ from pathlib import Path
 import aiohttp
 
 from tierguard.cli.serve import READY_PREFIX as READY
+from tierguard.common.percentile import percentile
 from tierguard.common.proc import ReadyProcess
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,12 +43,7 @@ class Stream:
         return [b - a for a, b in zip(self.events, self.events[1:], strict=False)]
 
 
-def pct(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in 0..100); None for no values."""
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, int(round(q / 100 * len(s) + 0.5)) - 1))]
+pct = percentile  # q in 0..100, None for no values: the one definition (common/percentile.py)
 
 
 def ms(v: float | None) -> float | None:

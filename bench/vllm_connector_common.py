@@ -21,6 +21,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tierguard.common.percentile import percentile
+
 ROOT = Path(__file__).resolve().parents[1]
 VENV = ROOT / ".venv-vllm"
 PYTHON = Path(os.environ.get("TIERGUARD_VLLM_PYTHON", VENV / "bin" / "python"))
@@ -284,12 +286,7 @@ async def stream_into(session, url: str, live: Live, prompt: list[int], max_toke
     return live
 
 
-def pct(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in 0..100); None for no values."""
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, int(round(q / 100 * len(s) + 0.5)) - 1))]
+pct = percentile  # q in 0..100, None for no values: the one definition (common/percentile.py)
 
 
 def ms(v: float | None) -> float | None:

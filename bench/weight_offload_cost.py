@@ -19,6 +19,7 @@ import tempfile
 
 import torch
 
+from tierguard.common.percentile import percentile
 from tierguard.common.units import GIB
 from tierguard.engine.api import SamplingParams, StepStats
 from tierguard.engine.factory import build_engine
@@ -27,8 +28,7 @@ from tierguard.model.tiny import create_tiny, ensure_tiny_model
 
 
 def _quantile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
+    return percentile(xs, 100 * q)  # type: ignore[return-value]
 
 
 def run_model(model_dir, name: str, rounds: int, tokens: int, seqs: int, device: str) -> dict:

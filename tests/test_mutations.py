@@ -904,6 +904,20 @@ MUTANTS = [
         (PREDICTED + "test_the_fit_converges_to_a_known_cost_and_follows_it_when_it_changes",
          "tests/gate/test_predicted_gate.py::test_a_calibration_wrong_by_2x_is_corrected_online_and_its_error_shows"),
     ),
+    Mutant(
+        "percentile: the nearest rank above instead of interpolating as vllm bench serve",
+        "tierguard/common/percentile.py",
+        "    return low + frac * (high - low)\n",
+        "    return high\n",
+        ("tests/common/test_percentile.py::test_the_definition_is_vllm_bench_serves",),
+    ),
+    Mutant(
+        "percentile: a bench script keeps a p99 of its own",
+        "bench/tier_common.py",
+        "pct = percentile  # q in 0..100, None for no values: the one definition (common/percentile.py)\n",
+        "def pct(values, q):\n    s = sorted(values)\n    return s[min(len(s) - 1, int(q / 100 * len(s)))] if s else None\n",
+        ("tests/common/test_percentile.py::test_no_other_percentile_implementation_exists",),
+    ),
 ]
 FAST = [m for m in MUTANTS if not m.slow]
 

@@ -14,10 +14,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from tierguard.bench.records import RequestRecord
+from tierguard.common.percentile import percentile
 
 
 def _p99(d: deque) -> str:
-    return f"{np.percentile(np.asarray(d), 99):.1f}" if d else "-"
+    return f"{percentile(d, 99):.1f}" if d else "-"
 
 
 def brief(rec: RequestRecord) -> tuple:

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tierguard.common.percentile import percentile
+
 
 class LoopLagMonitor:
     """Samples how late the event loop runs a 10 ms timer; start/stop inside the loop."""
@@ -70,9 +72,9 @@ def assess(healths: list[WorkerHealth], lateness_ms: list[float], n_requests: in
     late = np.asarray(lateness_ms or [0.0])
     cpu = sum(h.cpu_s for h in healths) + parent_cpu_s
     out = {
-        "p99_send_lateness_ms": float(np.percentile(late, 99)),
+        "p99_send_lateness_ms": percentile(late, 99),
         "max_send_lateness_ms": float(late.max()),
-        "p99_loop_lag_ms": float(np.percentile(lags, 99)),
+        "p99_loop_lag_ms": percentile(lags, 99),
         "max_loop_lag_ms": float(lags.max()),
         "client_cpu_s": cpu,
         "client_cpu_ms_per_request": cpu * 1000.0 / n_requests if n_requests else None,

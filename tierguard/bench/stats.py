@@ -1,7 +1,8 @@
 """Statistics over request records: the flat summary and the per-second time series.
 
 Keys follow `vllm bench serve` (`mean_ttft_ms`, `median_…`, `std_…`, `p99_…`) so existing
-dashboards read summary.json, plus `p90_`, `p95_`, `p999_` (99.9th), `max_` and ours.
+dashboards read summary.json, plus `p90_`, `p95_`, `p999_` (99.9th), `max_` and ours;
+percentiles by the one definition (common/percentile.py), the one vLLM's uses.
 Distributions are over successful requests; failures, timeouts and rejections are
 counted separately and count as SLO misses in goodput, never silently dropped.
 """
@@ -14,6 +15,7 @@ import numpy as np
 
 from tierguard.bench.config import SLO
 from tierguard.bench.records import CANCELLED, OK, REJECTED, TIMEOUT, RequestRecord
+from tierguard.common.percentile import percentile, percentiles
 
 QUANTILES = (("median", 50.0), ("p90", 90.0), ("p95", 95.0), ("p99", 99.0), ("p999", 99.9))
 
@@ -25,8 +27,8 @@ def describe(values, name: str) -> dict[str, float | None]:
     if v.size == 0:
         return {f"{k}_{name}": None for k in keys}
     out = {f"mean_{name}": float(v.mean()), f"std_{name}": float(v.std())}
-    pct = np.percentile(v, [p for _, p in QUANTILES])
-    out.update({f"{q}_{name}": float(x) for (q, _), x in zip(QUANTILES, pct, strict=True)})
+    pct = percentiles(v, [p for _, p in QUANTILES]) or []
+    out.update({f"{q}_{name}": x for (q, _), x in zip(QUANTILES, pct, strict=True)})
     out[f"max_{name}"] = float(v.max())
     return out
 
@@ -87,7 +89,7 @@ def summarize(measured: list[RequestRecord], slo: SLO) -> dict:
     s["connections_opened"] = sum(r.connect_ms is not None for r in measured)
     # TTFT with every failed request counted as infinitely late: a tail that includes failures.
     all_ttft = [r.ttft_ms if r.ok else math.inf for r in measured if r.status != CANCELLED]
-    p = float(np.percentile(all_ttft, 99, method="higher")) if all_ttft else None
+    p = percentile(all_ttft, 99)
     s["p99_ttft_ms_incl_failed"] = p if p is not None and math.isfinite(p) else None
     sources = sorted({r.token_count_source for r in ok if r.token_count_source})
     s["token_count_source"] = ",".join(sources)
@@ -135,7 +137,7 @@ def timeseries(records: list[RequestRecord], window_s: float = 10.0) -> list[dic
             "failed": int(((fail >= lo) & (fail < hi)).sum()),
             "output_tokens": int(tok_k[(tok_t >= lo) & (tok_t < hi)].sum()),
             "in_flight": int(((sent < hi) & (end >= hi)).sum()),
-            "p99_ttft_ms_window": float(np.percentile(ttft[win], 99)) if win.any() else None,
-            "p99_itl_ms_window": float(np.percentile(iv[iwin], 99)) if iwin.any() else None,
+            "p99_ttft_ms_window": percentile(ttft[win], 99),
+            "p99_itl_ms_window": percentile(iv[iwin], 99),
         })
     return rows

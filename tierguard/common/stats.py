@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
+from tierguard.common.percentile import percentile
+
 COUNTER = "counter"
 GAUGE = "gauge"
 
@@ -84,8 +86,7 @@ def flat(*objs: Any, prefix: str = "") -> dict[str, float]:
     return out
 
 
-def quantile_ms(sorted_s: list[float], q: float) -> float:
-    """Nearest-rank q-quantile of ascending latencies in seconds, in ms (0.0 when empty)."""
-    if not sorted_s:
-        return 0.0
-    return 1000 * sorted_s[min(len(sorted_s) - 1, int(q * len(sorted_s)))]
+def quantile_ms(latencies_s: list[float], q: float) -> float:
+    """The q-quantile (q in 0..1) of latencies in seconds, in ms (0.0 when empty), by the
+    one percentile definition (common/percentile.py)."""
+    return 1000 * percentile(latencies_s, 100 * q, empty=0.0)  # type: ignore[operator]

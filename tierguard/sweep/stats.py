@@ -5,9 +5,9 @@ stall stretches many gaps of the same request), so intervals are computed by
 resampling whole requests and pooling their per-token samples, never single tokens.
 
 A failed or rejected request is an infinite latency: it enters every distribution as
-`inf`, so with more than 1 % failures the p99 is `inf` and the SLO is missed (R11's
-"failures count as misses"). Quantiles use the inverted-CDF rule, which always returns
-an observed sample, so `inf` never turns into NaN by interpolation.
+`inf`, so with 1 % of the requests failed or more the p99 is `inf` and the SLO is missed
+(R11's "failures count as misses"). Quantiles follow the one percentile definition
+(common/percentile.py), which keeps `inf` from turning into NaN.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from tierguard.common.percentile import percentile
 
 METRICS = ("ttft", "itl", "tpot", "e2el")
 
@@ -41,10 +43,9 @@ class RequestSample:
 
 
 def quantile(values: np.ndarray, q: float) -> float:
-    """The q-quantile (0..1) of `values`, an observed sample; `inf` allowed. NaN if empty."""
-    if values.size == 0:
-        return math.nan
-    return float(np.quantile(values, q, method="inverted_cdf"))
+    """The q-quantile (0..1) of `values`, an observed sample, by the one percentile
+    definition (common/percentile.py); `inf` allowed. NaN if empty."""
+    return percentile(values, 100 * q, empty=math.nan)  # type: ignore[return-value]
 
 
 def pooled(samples: Sequence[RequestSample], metric: str) -> np.ndarray:
