@@ -12,6 +12,13 @@ the server's usage where it reports one, else its content events (one token each
 the re-tokenized streamed text is reported beside them (a few tokens fewer: greedy
 output re-tokenizes with merges).
 
+No prompt is sent twice to a server: its levels draw from one pool without replacement
+(a level that runs out ends early and is invalid), and the agreement prompts are kept
+apart. Each level reads the server's own prefix-cache counters before and after
+(`tierguard/bench/prefix_reuse.py`; vLLM and tierguard serve export them) and is invalid
+when they found more prompt tokens than the chat template's tokens shared by every
+prompt explain; the counts are in each level's `prefix_cache`.
+
 Servers (skipped ones say why in "skipped"):
   tierguard-fp32 / -int8 / -int4 / -bf16
                                    tierguard serve --model smollm2 [--weight-dtype ...]
@@ -91,6 +98,9 @@ from serve_vs_transformers import (  # noqa: E402
 )
 from validity import Validity, count_errors  # noqa: E402
 
+from tierguard.bench import prefix_reuse  # noqa: E402
+from tierguard.bench.prefix_reuse import UniqueBodies  # noqa: E402
+
 LOG_DIR = Path(tempfile.gettempdir()) / "tierguard_bench_logs"
 TEXTS = ["GPL-3", "Apache-2.0", "MPL-2.0", "LGPL-2.1", "GFDL-1.3", "Artistic"]
 TIERGUARD = {"tierguard-fp32": "auto", "tierguard-int8": "int8", "tierguard-int4": "int4", "tierguard-bf16": "bf16"}
@@ -169,20 +179,30 @@ def body(kind: str, model: str, prompt: str, out_tokens: int) -> dict:
 
 
 # -- one closed-loop level -----------------------------------------------------------------
-async def closed_loop(url: str, bodies: list[dict], concurrency: int, duration: float, count) -> dict:
+async def closed_loop(url: str, bodies: UniqueBodies | list[dict], concurrency: int, duration: float, count) -> dict:
+    """`concurrency` streams back to back for `duration` s. `bodies` as UniqueBodies: each
+    prompt at most once across the whole run, levels included (the level ends early and
+    is invalid when they run out); as a list (warm-up, agreement): cycled."""
     load_before = round(os.getloadavg()[0], 2)
     streams: list[Stream] = []
     nxt = 0
+    ran_out = False
     t0 = time.perf_counter()
     deadline = t0 + duration
     timeout = aiohttp.ClientTimeout(total=900)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=concurrency)) as s:
 
         async def worker() -> None:
-            nonlocal nxt
+            nonlocal nxt, ran_out
             while time.perf_counter() < deadline:
-                b = bodies[nxt % len(bodies)]
-                nxt += 1
+                if isinstance(bodies, UniqueBodies):
+                    b = bodies.take()
+                    if b is None:
+                        ran_out = True
+                        return
+                else:
+                    b = bodies[nxt % len(bodies)]
+                    nxt += 1
                 streams.append(await one_stream(s, url + "/v1/chat/completions", b))
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -197,7 +217,9 @@ async def closed_loop(url: str, bodies: list[dict], concurrency: int, duration: 
     v = Validity()
     v.require(bool(ok), "no request completed")
     v.require(not errors, count_errors(errors))
-    want = bodies[0].get("max_tokens") or json.loads(bodies[0].get("generation_config", "{}")).get("max_new_tokens")
+    v.require(not ran_out, f"ran out of unique prompts after {len(streams)} requests: give more")
+    first = bodies.first if isinstance(bodies, UniqueBodies) else bodies[0]
+    want = first.get("max_tokens") or json.loads(first.get("generation_config", "{}")).get("max_new_tokens")
     short = [t for t in tokens if t != want]
     v.require(not short, f"{len(short)} streams delivered {sorted(set(short))[:5]} tokens, {want} were asked")
     events = sum(len(st.events) for st in ok)
@@ -206,6 +228,7 @@ async def closed_loop(url: str, bodies: list[dict], concurrency: int, duration: 
         "loadavg_1m_before": load_before,
         **v.as_dict(),
         "requests": len(ok),
+        "sent": len(streams),
         "errors": errors[:3],
         "wall_s": round(wall, 2),
         "output_tokens": sum(tokens),
@@ -483,8 +506,15 @@ def run_server(name: str, start, args, bodies: dict, count) -> dict:
         texts = asyncio.run(greedy_texts(url, bodies["agree"]))
         res["agreement"] = agreement(args.reference, texts, args.encode, args.min_agreement, args.min_first_token)
         print(f"[{name}] agreement: {json.dumps(res['agreement'])}", file=sys.stderr, flush=True)
+        main = UniqueBodies(bodies["main"])  # no prompt twice on this server, across its levels
         for c in args.level_list:
-            lv = asyncio.run(closed_loop(url, bodies["main"], c, args.duration, count))
+            before = prefix_reuse.read_counters(url)
+            lv = asyncio.run(closed_loop(url, main, c, args.duration, count))
+            lv["prefix_cache"] = prefix_reuse.judge(before, prefix_reuse.read_counters(url), lv["sent"],
+                                                    args.shared_prefix_tokens)
+            if lv["prefix_cache"]["reason"]:
+                lv["valid"] = False
+                lv["invalid_reasons"].append(lv["prefix_cache"]["reason"])
             res["levels"][str(c)] = lv
             print(f"[{name}] c={c}: {json.dumps(lv)}", file=sys.stderr, flush=True)
     finally:
@@ -598,8 +628,14 @@ def main() -> int:
     def count(text: str) -> int:
         return len(tok.encode(text, add_special_tokens=False))
 
-    prompts = make_prompts(tok, 400, args.prompt_tokens)
+    # Enough for every level at the fastest rate seen (about 400 output tok/s on 2 cores)
+    # without a prompt twice; the agreement prompts are kept apart from the measured ones.
+    n_main = max(400, int(len(args.level_list) * args.duration * 450 / args.output_tokens) + 64)
+    prompts = make_prompts(tok, n_main + args.agree_prompts, args.prompt_tokens)
     agree_prompts = prompts[-args.agree_prompts:]
+    templated = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True),
+                            add_special_tokens=False) for p in prompts[:64]]
+    args.shared_prefix_tokens = prefix_reuse.shared_prefix_tokens(templated)
     args.reference = reference_texts(model_dir, agree_prompts, args.agree_tokens)
     args.encode = lambda text: tok.encode(text, add_special_tokens=False)
     report: dict = {
@@ -625,7 +661,7 @@ def main() -> int:
         kind = "tierguard" if name.startswith("tierguard") else name.split("-")[0]
         model_id = "bench" if kind != "transformers" else str(model_dir)
         bodies = {w: [body(name, model_id, p, n) for p in ps]
-                  for w, ps, n in (("main", prompts, args.output_tokens), ("warm", prompts[-4:], 8),
+                  for w, ps, n in (("main", prompts[:-args.agree_prompts], args.output_tokens), ("warm", prompts[-4:], 8),
                                    ("agree", agree_prompts, args.agree_tokens))}
         if base_of(name) in TIERGUARD:
             start = lambda name=name: start_tierguard(name, args)  # noqa: E731

@@ -918,6 +918,13 @@ MUTANTS = [
         "def pct(values, q):\n    s = sorted(values)\n    return s[min(len(s) - 1, int(q / 100 * len(s)))] if s else None\n",
         ("tests/common/test_percentile.py::test_no_other_percentile_implementation_exists",),
     ),
+    Mutant(
+        "bench: a run whose prompts were reused by the server's own counters still passes",
+        "tierguard/bench/prefix_reuse.py",
+        "    if hits > allowed:\n",
+        "    if False:\n",
+        ("tests/bench/test_prefix_reuse.py::test_levels_on_one_server_find_only_the_shared_prefix_and_a_replay_is_invalid",),
+    ),
 ]
 FAST = [m for m in MUTANTS if not m.slow]
 
