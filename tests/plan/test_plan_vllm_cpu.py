@@ -110,3 +110,21 @@ def test_cli_json_gives_both_figures_as_numbers(tmp_path, capsys):
                            "--kv-cache-gib", "1"]) == 0
     text = capsys.readouterr().out
     assert "CPU KV cache size: 46,592 tokens" in text and "VLLM_CPU_KVCACHE_SPACE=1" in text
+
+
+def test_fp8_kv_on_a_cpu_without_avx512_or_amx_is_named(tmp_path, monkeypatch):
+    from tierguard.plan import vllm_cpu
+
+    avx2 = tmp_path / "avx2"
+    avx2.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n")
+    zen4 = tmp_path / "zen4"
+    zen4.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma avx512f avx512_bf16\n")
+    assert not vllm_cpu.cpu_holds_fp8_kv(str(avx2)) and vllm_cpu.cpu_holds_fp8_kv(str(zen4))
+    assert vllm_cpu.cpu_holds_fp8_kv(str(tmp_path / "missing"))  # unreadable: no guess against the plan
+    fp8 = dict(kv_cache_gib=1, weights_dtype="float16", max_model_len=1500, kv_dtype="fp8")
+    monkeypatch.setattr("tierguard.plan.planner.cpu_holds_fp8_kv", lambda: vllm_cpu.cpu_holds_fp8_kv(str(avx2)))
+    warned = _plan(_llama(7, 576, 6, 2), **fp8)["warnings"]
+    assert any("AVX-512 or AMX" in w and "refuses to start" in w for w in warned), warned
+    assert not any("AVX-512" in w for w in _plan(_llama(7, 576, 6, 2), **{**fp8, "kv_dtype": "auto"})["warnings"])
+    monkeypatch.setattr("tierguard.plan.planner.cpu_holds_fp8_kv", lambda: vllm_cpu.cpu_holds_fp8_kv(str(zen4)))
+    assert not any("AVX-512" in w for w in _plan(_llama(7, 576, 6, 2), **fp8)["warnings"])

@@ -31,7 +31,7 @@ from tierguard.plan.kv import KVModel, KVSettings
 from tierguard.plan.ladder import LadderState, Workload, run_ladder
 from tierguard.plan.reserves import EngineRules, default_batching, engine_rules
 from tierguard.plan.summary import kv_dict, model_dict, settings_dict, weights_by_dtype
-from tierguard.plan.vllm_cpu import serving_dtype, vllm_cpu_figures
+from tierguard.plan.vllm_cpu import cpu_holds_fp8_kv, serving_dtype, vllm_cpu_figures
 from tierguard.plan.weights import estimate_weights
 
 __all__ = ["PlanInputs", "make_plan"]
@@ -344,6 +344,11 @@ def vllm_cpu_plan(p: PlanInputs, spec: ModelSpec) -> dict:
             f"vLLM will refuse to start: one request at --max-model-len {mml} needs "
             f"{fig['blocks_per_request'] * fig['block_bytes'] / GIB:.2f} GiB of KV; the pool holds "
             f"--max-model-len {fig['longest_max_model_len']} at most"
+        )
+    if fig["kv_cache_dtype"].startswith("fp8") and not cpu_holds_fp8_kv():
+        warnings.append(
+            f"--kv-dtype {fig['kv_cache_dtype']}: vLLM's CPU attention keeps an fp8 KV cache only on x86 "
+            "with AVX-512 or AMX, and the CPU this plan ran on has neither: there vLLM refuses to start"
         )
     return {
         "model": model_dict(spec, w.params),

@@ -117,6 +117,18 @@ def all_cores() -> str:
     return f"{cpus[0]}-{cpus[-1]}" if cpus == list(range(cpus[0], cpus[-1] + 1)) else ",".join(map(str, cpus))
 
 
+def cpu_holds_fp8_kv(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether vLLM's CPU attention can keep an fp8 KV cache on this CPU: it needs x86 with
+    AVX-512 or AMX (elsewhere its start-up fails). True where the flags cannot be read: a
+    plan for another machine is not refused on a guess."""
+    try:
+        with open(cpuinfo) as f:
+            flags = f.read().split()
+    except OSError:
+        return True
+    return "avx512f" in flags or "amx_tile" in flags
+
+
 def vllm_cpu_figures(
     spec: ModelSpec,
     *,
