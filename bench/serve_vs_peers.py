@@ -28,6 +28,9 @@ Servers (skipped ones say why in "skipped"):
   vllm-f32-default-threads         vLLM CPU (.venv-vllm, `make vllm`) float32, its own
                                    thread setup (one core kept back for its front end)
   vllm-f32 / vllm-bf16             vLLM CPU float32 / bfloat16, computing on every core
+  vllm-bf16-tuned                  the same, tuned as vLLM's CPU docs advise: tcmalloc
+                                   (libtcmalloc-minimal4) and the venv's libiomp5.so in
+                                   LD_PRELOAD, VLLM_CPU_SGL_KERNEL=1
   transformers                     `transformers serve --continuous-batching` (float32)
 llama-cpp-python is optional: `--llamacpp-python PY` names an interpreter that has it;
 by default the current one is used, after `pip install 'llama-cpp-python[server]'` when
@@ -105,7 +108,8 @@ LOG_DIR = Path(tempfile.gettempdir()) / "tierguard_bench_logs"
 TEXTS = ["GPL-3", "Apache-2.0", "MPL-2.0", "LGPL-2.1", "GFDL-1.3", "Artistic"]
 TIERGUARD = {"tierguard-fp32": "auto", "tierguard-int8": "int8", "tierguard-int4": "int4", "tierguard-bf16": "bf16"}
 PEERS = ("llamacpp-f32", "llamacpp-q8_0", "llamacpp-q4_1", "transformers")
-VLLM = {"vllm-f32-default-threads": ("float32", False), "vllm-f32": ("float32", True), "vllm-bf16": ("bfloat16", True)}
+VLLM = {"vllm-f32-default-threads": ("float32", False), "vllm-f32": ("float32", True), "vllm-bf16": ("bfloat16", True),
+        "vllm-bf16-tuned": ("bfloat16", True)}  # -tuned: tcmalloc, Intel OpenMP, SGL kernels (vllm_peer.tuned_env)
 # --goodput: each engine at the settings a user would tune it with (NAME@LABEL, FLAGS).
 # Ours: weight dtype, --itl-slo-ms and --target-itl-ms. vLLM's: its chunked-prefill token
 # budget and running sequences (its dtype and threads are in the name: bfloat16 on every core).
@@ -118,10 +122,11 @@ GOODPUT = (
     ("tierguard-bf16@slo160", "--itl-slo-ms 160"),
     ("tierguard-bf16@whole", "--target-itl-ms 0"),  # whole chunks beside decodes: raw throughput
     ("vllm-bf16", ""),
-    ("vllm-bf16@b512", "--max-num-batched-tokens 512"),
-    ("vllm-bf16@b256", "--max-num-batched-tokens 256"),
-    ("vllm-bf16@b128-s16", "--max-num-batched-tokens 128 --max-num-seqs 16"),
-    ("vllm-bf16@b64-s8", "--max-num-batched-tokens 64 --max-num-seqs 8"),
+    ("vllm-bf16-tuned", ""),
+    ("vllm-bf16-tuned@b512", "--max-num-batched-tokens 512"),
+    ("vllm-bf16-tuned@b256", "--max-num-batched-tokens 256"),
+    ("vllm-bf16-tuned@b128-s16", "--max-num-batched-tokens 128 --max-num-seqs 16"),
+    ("vllm-bf16-tuned@b64-s8", "--max-num-batched-tokens 64 --max-num-seqs 8"),
     ("vllm-f32", ""),
 )
 
@@ -368,6 +373,8 @@ def start_vllm(name: str, model_dir: Path, args) -> tuple[object, str, dict]:
     env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(args.kv_cache_gib)))}
     if all_cores:
         env |= {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    if base_of(name).endswith("-tuned"):
+        env |= vllm_peer.tuned_env()
     srv = vllm_peer.VllmServer(model_dir, LOG_DIR / f"{name}.log", env=env, name="bench",
                                flags=["--dtype", dtype, "--max-model-len", "1024", *extra.split()])
     srv.wait_ready(args.start_timeout)

@@ -56,6 +56,20 @@ def ensure_installed(log: Path | None = None) -> str | None:
     return None
 
 
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+
+
+def tuned_env() -> dict[str, str]:
+    """What vLLM's CPU documentation asks for: tcmalloc and the venv's Intel OpenMP runtime
+    preloaded, and its SGL kernels. Raises RuntimeError naming what is missing."""
+    iomp = VENV / "lib" / "libiomp5.so"
+    missing = [f"{TCMALLOC} (apt-get install -y libtcmalloc-minimal4)"] if not TCMALLOC.is_file() else []
+    missing += [f"{iomp} (make vllm)"] if not iomp.is_file() else []
+    if missing:
+        raise RuntimeError("tuned vLLM needs " + " and ".join(missing))
+    return {"LD_PRELOAD": f"{TCMALLOC}:{iomp}", "VLLM_CPU_SGL_KERNEL": "1"}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
