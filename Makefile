@@ -54,7 +54,8 @@ redis-cluster: $(STAMP) system-deps
 	$(BIN)/python -m tierguard.common.redis_cluster $(REDIS_CLUSTER_ARGS)
 
 # `make test` runs the slow checks too, and they need three more tools (vLLM below). llama-cpp-python
-# (llama.cpp compiled from source: about 5 minutes on 2 cores) gets its own venv inside the
+# (llama.cpp compiled from source without its multimodal library, which no test uses: about
+# 3.5 minutes on 2 cores) gets its own venv inside the
 # clone, so its server's dependencies stay out of the project's venv; --no-cache-dir: nothing
 # is cached outside the clone. The llama.cpp agreement test runs it through LLAMA_PYTHON.
 # chromium (Debian) is for the report's headless test; installed like redis-server.
@@ -65,7 +66,8 @@ LLAMA_CPP_PYTHON ?= llama-cpp-python[server]==0.3.36
 
 $(LLAMA_STAMP):
 	test -x $(LLAMA_PYTHON) || $(PY) -m venv $(LLAMA_VENV)
-	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(LLAMA_PYTHON) -m pip install -q --no-cache-dir '$(LLAMA_CPP_PYTHON)'
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) CMAKE_ARGS="-DLLAVA_BUILD=OFF" \
+	  $(LLAMA_PYTHON) -m pip install -q --no-cache-dir '$(LLAMA_CPP_PYTHON)'
 	touch $(LLAMA_STAMP)
 
 llamacpp: $(LLAMA_STAMP)
