@@ -184,13 +184,11 @@ def body(kind: str, model: str, prompt: str, out_tokens: int) -> dict:
 
 
 # -- one closed-loop level -----------------------------------------------------------------
-async def closed_loop(url: str, bodies: UniqueBodies | list[dict], concurrency: int, duration: float, count) -> dict:
-    """`concurrency` streams back to back for `duration` s. `bodies` as UniqueBodies: each
-    prompt at most once across the whole run, levels included (the level ends early and
-    is invalid when they run out); as a list (warm-up, agreement): cycled."""
+async def closed_loop(url: str, bodies: UniqueBodies, concurrency: int, duration: float, count) -> dict:
+    """`concurrency` streams back to back for `duration` s, each body at most once across
+    every level drawn from `bodies` (the level ends early and is invalid when they run out)."""
     load_before = round(os.getloadavg()[0], 2)
     streams: list[Stream] = []
-    nxt = 0
     ran_out = False
     t0 = time.perf_counter()
     deadline = t0 + duration
@@ -198,16 +196,12 @@ async def closed_loop(url: str, bodies: UniqueBodies | list[dict], concurrency: 
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=concurrency)) as s:
 
         async def worker() -> None:
-            nonlocal nxt, ran_out
+            nonlocal ran_out
             while time.perf_counter() < deadline:
-                if isinstance(bodies, UniqueBodies):
-                    b = bodies.take()
-                    if b is None:
-                        ran_out = True
-                        return
-                else:
-                    b = bodies[nxt % len(bodies)]
-                    nxt += 1
+                b = bodies.take()
+                if b is None:
+                    ran_out = True
+                    return
                 streams.append(await one_stream(s, url + "/v1/chat/completions", b))
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -223,8 +217,7 @@ async def closed_loop(url: str, bodies: UniqueBodies | list[dict], concurrency: 
     v.require(bool(ok), "no request completed")
     v.require(not errors, count_errors(errors))
     v.require(not ran_out, f"ran out of unique prompts after {len(streams)} requests: give more")
-    first = bodies.first if isinstance(bodies, UniqueBodies) else bodies[0]
-    want = first.get("max_tokens") or json.loads(first.get("generation_config", "{}")).get("max_new_tokens")
+    want = bodies.first.get("max_tokens") or json.loads(bodies.first.get("generation_config", "{}")).get("max_new_tokens")
     short = [t for t in tokens if t != want]
     v.require(not short, f"{len(short)} streams delivered {sorted(set(short))[:5]} tokens, {want} were asked")
     events = sum(len(st.events) for st in ok)
@@ -509,7 +502,7 @@ def run_server(name: str, start, args, bodies: dict, count) -> dict:
         return {"error": str(exc)[:500]}
     res = {"server": info, "levels": {}}
     try:
-        asyncio.run(closed_loop(url, bodies["warm"], 1, 0.1, count))  # first request: warm-up
+        asyncio.run(closed_loop(url, UniqueBodies(bodies["warm"]), 1, 0.1, count))  # first request: warm-up
         texts = asyncio.run(greedy_texts(url, bodies["agree"]))
         res["agreement"] = agreement(args.reference, texts, args.encode, args.min_agreement, args.min_first_token)
         print(f"[{name}] agreement: {json.dumps(res['agreement'])}", file=sys.stderr, flush=True)

@@ -19,6 +19,7 @@ import pytest
 
 from tests.vllm.conftest import ROOT, plan_json, vllm_peer
 from tierguard.cli.main import main as tierguard_main
+from tierguard.plan.vllm_cpu import cpu_holds_fp8_kv
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]  # vLLM start-ups take minutes on a busy machine
 
@@ -57,17 +58,9 @@ SHAPES = {
 }
 
 
-def _cpu_has_fp8_kv() -> bool:
-    """vLLM's CPU attention keeps an fp8 KV cache only with AVX-512 or AMX; elsewhere it
-    refuses to start, so the fp8 shape is built where the CPU can hold it."""
-    try:
-        flags = open("/proc/cpuinfo").read().split()
-    except OSError:
-        return False
-    return "avx512f" in flags or "amx_tile" in flags
-
-
-if _cpu_has_fp8_kv():
+# vLLM's CPU attention keeps an fp8 KV cache only with AVX-512 or AMX (elsewhere it refuses
+# to start), so the fp8 shape is built where the CPU can hold it.
+if cpu_holds_fp8_kv():
     SHAPES["gqa3-hd96-fp8"] = (["--layers", "7", "--hidden", "576", "--heads", "6", "--kv-heads", "2"],
                                ["--kv-cache-gib", "1", "--dtype", "float16", "--max-model-len", "1500",
                                 "--kv-dtype", "fp8"])

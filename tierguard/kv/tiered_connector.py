@@ -429,7 +429,7 @@ class TieredConnector(KVConnector):
             device_evictions_uncopied=c.device_evictions_uncopied,
             loading_seqs=len(self._loads),
             pinned_blocks=sum(self._pins.values()),
-            load_p99_ms=quantile_ms(sorted(self._load_seconds), 0.99),
+            load_p99_ms=quantile_ms(list(self._load_seconds), 0.99),
             transfer_queue_depth=self.worker.queue_depth,
             manager=self.manager.stats(),
             stores=self.store_policy.stats(),

@@ -169,7 +169,7 @@ class TransferWorker:
 
     def route_stats(self) -> dict[str, RouteStats]:
         with self._lock:
-            routes = {name: (r.stats, sorted(r.window)) for name, r in self._routes.items()}
+            routes = {name: (r.stats, list(r.window)) for name, r in self._routes.items()}
         out = {}
         for name, (s, lat) in routes.items():
             out[name] = RouteStats(

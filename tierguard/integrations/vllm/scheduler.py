@@ -325,7 +325,7 @@ class TierScheduler:
     def stats(self) -> ConnectorStats:
         c = self._c
         with self._stats_lock:
-            p99 = quantile_ms(sorted(self._load_seconds), 0.99)
+            p99 = quantile_ms(list(self._load_seconds), 0.99)
             hist = self._load_hist.snapshot()
         t = c.tiers
         tiers = TierStats(
