@@ -216,7 +216,7 @@ def _run_pair(engine: AsyncLLMEngine, poisoned: SamplingParams, healthy: Samplin
                 collect("healthy", prompt_ids(1, 12), healthy),
                 collect("poisoned", poisoned_prompt or prompt_ids(2, 12), poisoned),
                 return_exceptions=True), 60)
-            after = await asyncio.wait_for(collect("after", prompt_ids(3, 8), SamplingParams(max_tokens=3)), 60)
+            after = await asyncio.wait_for(collect("after", prompt_ids(3, 8), SamplingParams(max_tokens=3, ignore_eos=True)), 60)
             await _wait_idle(engine)
             return good, bad, after
         finally:
